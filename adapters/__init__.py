@@ -1,0 +1,3 @@
+"""onceonly adapters layer (built in later issues)."""
+
+__all__: list[str] = []

@@ -1,0 +1,359 @@
+"""The delta + keyframe storage model, independent of the database.
+
+A run's state is a mapping of channels. A checkpoint body is canonical codec JSON:
+
+* a **delta** ``{"d": {channel: op}}`` with ops ``["s", value]`` (set), ``["sb", hex]``
+  (set, value in a blob), ``["x"]`` (delete), ``["m", {key: value}, [deleted keys]]``
+  (merge into a dict channel) and ``["a", [items]]`` (append to a list channel);
+* a **keyframe** ``{"k": {channel: entry}}`` with entries ``["s", value]``, ``["sb", hex]``,
+  ``["M", [page hex, ...]]`` (a large dict split into pages by a stable hash of the key)
+  and ``["L", [[chunk hex, count, size], ...], [tail items]]`` (a list stored as sealed
+  chunks plus a short inline tail).
+
+Pages, chunks and large values are content-addressed blobs (blake3 of their canonical
+bytes), so an unchanged page or a sealed chunk is shared by every keyframe, run and
+process that refers to it. Appending to a list writes only the appended items; a
+keyframe seals full chunks once and refers to old ones by hash.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+
+from .codec import Codec
+from .errors import CodecError, CorruptRecord
+
+BLOB_MIN = 4096  # a set value at least this large (encoded) goes to a blob
+MAP_MIN_KEYS = 64  # a dict channel at least this large is paged in keyframes
+PAGE_KEYS = 128  # target keys per page
+CHUNK_ITEMS = 64  # items per sealed list chunk
+_COMPRESS_MIN = 256
+
+_RAW = b"j"
+_ZLIB = b"z"
+
+
+def blob_hash(raw: bytes) -> bytes:
+    """Content address of canonical bytes."""
+    return blake3.blake3(raw).digest()
+
+
+def pack(raw: bytes) -> bytes:
+    """Stored form of canonical bytes: compressed when that saves at least 10 %."""
+    if len(raw) >= _COMPRESS_MIN:
+        z = zlib.compress(raw, 1)
+        if len(z) < len(raw) * 0.9:
+            return _ZLIB + z
+    return _RAW + raw
+
+
+def unpack(stored: bytes) -> bytes:
+    """Canonical bytes from their stored form.
+
+    Raises:
+        CorruptRecord: Unknown header or undecompressible data (caller adds location).
+    """
+    head, body = stored[:1], stored[1:]
+    if head == _RAW:
+        return bytes(body)
+    if head == _ZLIB:
+        try:
+            return zlib.decompress(body)
+        except zlib.error as exc:
+            raise CorruptRecord(f"compressed data is damaged ({exc})") from exc
+    raise CorruptRecord(f"unknown storage header {head!r}")
+
+
+def row_digest(
+    run_id: str, seq: int, kind: int, keyframe_seq: int, schema_version: int, raw: bytes
+) -> bytes:
+    """Digest binding a checkpoint body to its row: editing either is detected."""
+    h = blake3.blake3()
+    for part in (run_id, str(seq), str(kind), str(keyframe_seq), str(schema_version)):
+        b = part.encode("utf-8")
+        h.update(len(b).to_bytes(4, "big"))
+        h.update(b)
+    h.update(raw)
+    return h.digest(length=16)
+
+
+# -- structural equality and private copies -------------------------------------------
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equality that also requires equal types, all the way down (1 != 1.0 != True)."""
+    if a is b:
+        return True
+    ta = type(a)
+    if ta is not type(b):
+        return False
+    if ta is str or ta is int or ta is bytes or ta is bool:
+        return bool(a == b)
+    if ta is float:
+        return bool(a == b) or (math.isnan(a) and math.isnan(b))
+    if ta is list or ta is tuple:
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if ta is dict:
+        if len(a) != len(b):
+            return False
+        return all(k in b and same(x, b[k]) for k, x in a.items())
+    return bool(a == b)
+
+
+def private_copy(v: Any) -> Any:
+    """A copy sharing no mutable container with ``v`` (immutable leaves are shared)."""
+    t = type(v)
+    if t is str or t is int or t is float or t is bool or v is None or t is bytes:
+        return v
+    if t is dict:
+        return {k: private_copy(x) for k, x in v.items()}
+    if t is list:
+        return [private_copy(x) for x in v]
+    if t is tuple:
+        return tuple(private_copy(x) for x in v)
+    if t is set:
+        return set(v)
+    import copy  # noqa: PLC0415  (rare path: dataclasses and other registered values)
+
+    return copy.deepcopy(v)
+
+
+def _pageable(v: Any) -> bool:
+    return type(v) is dict and all(type(k) is str and k[:1] != "\x00" for k in v)
+
+
+# -- diff and apply ------------------------------------------------------------------
+
+Op = tuple[Any, ...]
+
+
+def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Op]:
+    """The ops that turn ``old`` into ``new``."""
+    ops: dict[str, Op] = {}
+    for ch, v in new.items():
+        if type(ch) is not str or ch[:1] == "\x00":
+            raise CodecError(f"channel names must be strings not starting with NUL: {ch!r}")
+        if ch not in old:
+            ops[ch] = ("s", v)
+            continue
+        o = old[ch]
+        if o is v:
+            # The caller handed back our own object; state is always compared by value.
+            continue
+        to, tv = type(o), type(v)
+        if to is dict and tv is dict and _pageable(v):
+            changed = {k: x for k, x in v.items() if k not in o or not same(o[k], x)}
+            deleted = [k for k in o if k not in v]
+            if not changed and not deleted:
+                continue
+            if len(changed) + len(deleted) > len(v) // 2 + 1:
+                ops[ch] = ("s", v)
+            else:
+                ops[ch] = ("m", changed, sorted(deleted))
+        elif to is list and tv is list:
+            n = len(o)
+            if len(v) >= n and all(same(x, y) for x, y in zip(o, v[:n], strict=True)):
+                if len(v) > n:
+                    ops[ch] = ("a", v[n:])
+            else:
+                ops[ch] = ("s", v)
+        elif not same(o, v):
+            ops[ch] = ("s", v)
+    for ch in old:
+        if ch not in new:
+            ops[ch] = ("x",)
+    return ops
+
+
+def apply(state: dict[str, Any], ops: Mapping[str, Any], *, where: str) -> None:
+    """Apply decoded delta ops to ``state`` in place (values already resolved)."""
+    for ch, op in ops.items():
+        kind = op[0]
+        if kind == "s":
+            state[ch] = op[1]
+        elif kind == "x":
+            state.pop(ch, None)
+        elif kind == "m":
+            target = state.get(ch)
+            if type(target) is not dict:
+                raise CorruptRecord(f"merge into non-dict channel {ch!r} ({where})")
+            target.update(op[1])
+            for k in op[2]:
+                target.pop(k, None)
+        elif kind == "a":
+            target = state.get(ch)
+            if type(target) is not list:
+                raise CorruptRecord(f"append to non-list channel {ch!r} ({where})")
+            target.extend(op[1])
+        else:
+            raise CorruptRecord(f"unknown delta op {kind!r} on channel {ch!r} ({where})")
+
+
+# -- bodies --------------------------------------------------------------------------
+
+
+@dataclass
+class ListChunks:
+    """Sealed chunks of a list channel as of the last keyframe."""
+
+    chunks: list[tuple[str, int, int]] = field(default_factory=list)  # hex, count, size
+    sealed: int = 0
+
+
+@dataclass
+class Encoded:
+    """A body ready to store, with the blobs it introduces."""
+
+    raw: bytes
+    blobs: dict[bytes, bytes]  # hash -> canonical bytes
+    refs: set[bytes]  # every blob the body refers to
+    state_bytes: int = 0  # keyframes: size of everything a load reads
+
+
+def encode_delta(codec: Codec, ops: Mapping[str, Op]) -> Encoded:
+    blobs: dict[bytes, bytes] = {}
+    out: dict[str, list[Any]] = {}
+    for ch, op in ops.items():
+        if op[0] == "s":
+            raw = codec.encode(op[1])
+            if len(raw) >= BLOB_MIN:
+                h = blob_hash(raw)
+                blobs[h] = raw
+                out[ch] = ["sb", h.hex()]
+                continue
+            out[ch] = ["s", op[1]]
+        elif op[0] == "m":
+            out[ch] = ["m", op[1], list(op[2])]
+        elif op[0] == "a":
+            out[ch] = ["a", op[1]]
+        else:
+            out[ch] = list(op)
+    return Encoded(codec.encode({"d": out}), blobs, set(blobs))
+
+
+def _page_of(key: str, npages: int) -> int:
+    return zlib.crc32(key.encode("utf-8")) & (npages - 1)
+
+
+def encode_keyframe(
+    codec: Codec, state: Mapping[str, Any], lists: dict[str, ListChunks]
+) -> Encoded:
+    """Encode a full state; updates ``lists`` with the chunks sealed by this keyframe."""
+    blobs: dict[bytes, bytes] = {}
+    refs: set[bytes] = set()
+    size = 0
+    out: dict[str, list[Any]] = {}
+    for ch, v in state.items():
+        if type(ch) is not str or ch[:1] == "\x00":
+            raise CodecError(f"channel names must be strings not starting with NUL: {ch!r}")
+        t = type(v)
+        if t is dict and len(v) >= MAP_MIN_KEYS and _pageable(v):
+            npages = 1
+            while npages * PAGE_KEYS < len(v):
+                npages *= 2
+            pages: list[dict[str, Any]] = [{} for _ in range(npages)]
+            for k, x in v.items():
+                pages[_page_of(k, npages)][k] = x
+            hexes = []
+            for page in pages:
+                raw = codec.encode(page)
+                h = blob_hash(raw)
+                blobs[h] = raw
+                size += len(raw)
+                hexes.append(h.hex())
+            out[ch] = ["M", hexes]
+        elif t is list:
+            lc = lists.get(ch)
+            if lc is None or lc.sealed > len(v):
+                lc = ListChunks()
+            for h_hex, _count, csize in lc.chunks:
+                refs.add(bytes.fromhex(h_hex))
+                size += csize
+            while len(v) - lc.sealed >= CHUNK_ITEMS:
+                chunk = v[lc.sealed : lc.sealed + CHUNK_ITEMS]
+                raw = codec.encode(chunk)
+                h = blob_hash(raw)
+                blobs[h] = raw
+                size += len(raw)
+                lc.chunks.append((h.hex(), len(chunk), len(raw)))
+                lc.sealed += len(chunk)
+            lists[ch] = lc
+            out[ch] = ["L", [list(c) for c in lc.chunks], v[lc.sealed :]]
+        else:
+            raw = codec.encode(v)
+            if len(raw) >= BLOB_MIN:
+                h = blob_hash(raw)
+                blobs[h] = raw
+                size += len(raw)
+                out[ch] = ["sb", h.hex()]
+            else:
+                out[ch] = ["s", v]
+    body = codec.encode({"k": out})
+    refs.update(blobs)
+    return Encoded(body, blobs, refs, state_bytes=size + len(body))
+
+
+def blob_refs_of(body: Mapping[str, Any]) -> set[bytes]:
+    """Every blob hash a decoded body refers to."""
+    out: set[bytes] = set()
+    for entry in (body.get("k") or body.get("d") or {}).values():
+        kind = entry[0]
+        if kind == "sb":
+            out.add(bytes.fromhex(entry[1]))
+        elif kind == "M":
+            out.update(bytes.fromhex(h) for h in entry[1])
+        elif kind == "L":
+            out.update(bytes.fromhex(c[0]) for c in entry[1])
+    return out
+
+
+def materialise_keyframe(
+    body: Mapping[str, Any], blob_values: Mapping[bytes, Any], lists: dict[str, ListChunks]
+) -> dict[str, Any]:
+    """Build the state of a keyframe from its body and its decoded blobs."""
+    state: dict[str, Any] = {}
+    for ch, entry in body["k"].items():
+        kind = entry[0]
+        if kind == "s":
+            state[ch] = entry[1]
+        elif kind == "sb":
+            state[ch] = blob_values[bytes.fromhex(entry[1])]
+        elif kind == "M":
+            merged: dict[str, Any] = {}
+            for h in entry[1]:
+                page = blob_values[bytes.fromhex(h)]
+                if type(page) is not dict:
+                    raise CorruptRecord(f"page {h} of channel {ch!r} is not a mapping")
+                merged.update(page)
+            state[ch] = merged
+        elif kind == "L":
+            items: list[Any] = []
+            chunks = []
+            for h, count, csize in entry[1]:
+                chunk = blob_values[bytes.fromhex(h)]
+                if type(chunk) is not list or len(chunk) != count:
+                    raise CorruptRecord(f"chunk {h} of channel {ch!r} has the wrong length")
+                items.extend(chunk)
+                chunks.append((h, count, csize))
+            items.extend(entry[2])
+            state[ch] = items
+            lists[ch] = ListChunks(chunks, sum(c[1] for c in chunks))
+        else:
+            raise CorruptRecord(f"unknown keyframe entry {kind!r} for channel {ch!r}")
+    return state
+
+
+def resolve_delta(body: Mapping[str, Any], blob_values: Mapping[bytes, Any]) -> dict[str, Op]:
+    ops: dict[str, Op] = {}
+    for ch, op in body["d"].items():
+        if op[0] == "sb":
+            ops[ch] = ("s", blob_values[bytes.fromhex(op[1])])
+        else:
+            ops[ch] = tuple(op)
+    return ops

@@ -1,0 +1,152 @@
+"""Engine set-up per dialect: SQLite pragmas (read back and enforced), write transactions,
+and translation of driver errors into onceonly errors at the boundary."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import create_engine, event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import NullPool
+
+from .errors import (
+    ConfigurationError,
+    DatabaseLocked,
+    DatabaseUnavailable,
+    StoreError,
+    WeakDurabilityError,
+)
+
+READ_ONLY = "onceonly_read_only"
+_CONFIGURED = "_onceonly_configured"
+
+
+def make_engine(url: str, *, busy_timeout_ms: int) -> Engine:
+    """Create an engine for ``url`` with onceonly's settings."""
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    if url.startswith("sqlite") and (
+        ":memory:" in url or url.rstrip("/") in ("sqlite:", "sqlite:/")
+    ):
+        raise ConfigurationError(
+            "an in-memory SQLite database cannot be durable; use a file, e.g. sqlite:///onceonly.db"
+        )
+    kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite"):
+        kwargs["connect_args"] = {"timeout": busy_timeout_ms / 1000.0}
+    elif url.startswith("postgresql"):
+        kwargs["pool_pre_ping"] = False
+    try:
+        engine = create_engine(url, **kwargs)
+    except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ValueError) as exc:
+        raise ConfigurationError(f"cannot use database URL {url!r}: {exc}") from exc
+    configure(engine, busy_timeout_ms=busy_timeout_ms)
+    return engine
+
+
+def configure(engine: Engine, *, busy_timeout_ms: int) -> None:
+    """Install onceonly's connection hooks on ``engine`` (idempotent)."""
+    if getattr(engine, _CONFIGURED, False):
+        return
+    if engine.dialect.name == "sqlite":
+        if engine.url.database in (None, "", ":memory:"):
+            raise ConfigurationError(
+                "an in-memory SQLite database cannot be durable; use a file, e.g. "
+                "sqlite:///onceonly.db"
+            )
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+            # Take transaction control from the driver so BEGIN IMMEDIATE is ours.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=FULL")
+            cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: Connection) -> None:
+            if conn.get_execution_options().get(READ_ONLY):
+                conn.exec_driver_sql("BEGIN")
+            else:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        if not isinstance(engine.pool, NullPool):
+            engine.dispose()  # connections made before the hooks lack the pragmas
+    setattr(engine, _CONFIGURED, True)
+
+
+def verify_durability(engine: Engine) -> None:
+    """Read the SQLite settings back and refuse anything weaker than required.
+
+    Raises:
+        WeakDurabilityError: journal mode is not WAL, or synchronous is below FULL, or
+            busy_timeout is 0.
+    """
+    if engine.dialect.name != "sqlite":
+        return
+    with translate("open the store"), engine.connect() as conn:
+        journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
+        sync = int(conn.exec_driver_sql("PRAGMA synchronous").scalar() or 0)
+        busy = int(conn.exec_driver_sql("PRAGMA busy_timeout").scalar() or 0)
+        conn.rollback()
+    if journal != "wal":
+        raise WeakDurabilityError("journal_mode", journal, "wal")
+    if sync < 2:  # 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA
+        raise WeakDurabilityError("synchronous", sync, "FULL (2)")
+    if busy <= 0:
+        raise WeakDurabilityError("busy_timeout", busy, "> 0 ms")
+
+
+@contextlib.contextmanager
+def translate(action: str) -> Iterator[None]:
+    """Translate driver errors raised inside the block into onceonly errors."""
+    try:
+        yield
+    except sa_exc.DBAPIError as exc:
+        raise classify(exc, action) from exc
+
+
+def classify(exc: sa_exc.DBAPIError, action: str) -> StoreError:
+    """Map a driver error to the onceonly error that says what to do."""
+    text = str(exc.orig).lower() if exc.orig is not None else str(exc).lower()
+    if "database is locked" in text or "database table is locked" in text:
+        return DatabaseLocked(
+            f"could not {action}: the SQLite database stayed locked by another writer "
+            f"longer than busy_timeout; nothing was written. Retry, raise busy_timeout_ms, "
+            f"or move many concurrent workers to PostgreSQL."
+        )
+    if (
+        exc.connection_invalidated
+        or isinstance(exc, sa_exc.InterfaceError)
+        or any(
+            s in text
+            for s in (
+                "unable to open database",
+                "connection refused",
+                "could not connect",
+                "connection failed",
+                "no such file or directory",
+                "server closed the connection",
+                "terminating connection",
+                "the connection is closed",
+                "connection is lost",
+            )
+        )
+    ):
+        return DatabaseUnavailable(
+            f"could not {action}: the database is unreachable ({exc.orig}); nothing was "
+            f"written. Check that the server is running and the URL is right, then retry."
+        )
+    if "disk i/o error" in text or "disk is full" in text or "readonly" in text:
+        return StoreError(
+            f"could not {action}: the database reported an I/O error ({exc.orig}); the "
+            f"transaction was rolled back. Stop, fix the disk, and restart: the store "
+            f"recovers from what was committed."
+        )
+    return StoreError(f"could not {action}: {exc.orig}")

@@ -1,0 +1,223 @@
+"""Tables of the checkpoint core, declared once with SQLAlchemy Core, and its migrations.
+
+Migrations are data: an ordered list per component, each a list of DDL statements. The
+version of every component is kept in the ``onceonly_schema`` table; upper layers (the
+ledger) register their own component with its own migration list.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import (
+    Column,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    SmallInteger,
+    String,
+    Table,
+    inspect,
+    select,
+)
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.schema import CreateIndex, CreateTable, DDLElement
+
+from .errors import SchemaVersionError
+
+metadata = MetaData()
+
+schema_versions = Table(
+    "onceonly_schema",
+    metadata,
+    Column("component", String(32), primary_key=True),
+    Column("version", Integer, nullable=False),
+    Column("applied_at", Float, nullable=False),
+)
+
+runs = Table(
+    "oo_runs",
+    metadata,
+    Column("run_id", String(200), primary_key=True),
+    Column("flow", String(200), nullable=False),
+    Column("code_version", String(100), nullable=False),
+    Column("state_version", Integer, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("next_step", String(200), nullable=True),
+    Column("lease_owner", String(200), nullable=True),
+    Column("lease_expires_at", Float, nullable=True),
+    Column("handoff", LargeBinary, nullable=True),
+    Column("head_seq", Integer, nullable=True),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+runs_by_status = Index("oo_runs_status", runs.c.status, runs.c.updated_at)
+
+checkpoints = Table(
+    "oo_checkpoints",
+    metadata,
+    Column("run_id", String(200), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("kind", SmallInteger, nullable=False),  # 0 keyframe, 1 delta
+    Column("keyframe_seq", Integer, nullable=False),
+    Column("step", String(200), nullable=False),
+    Column("source", String(16), nullable=False),
+    Column("schema_version", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("digest", LargeBinary, nullable=False),
+    PrimaryKeyConstraint("run_id", "seq"),
+    sqlite_with_rowid=False,
+)
+
+blobs = Table(
+    "oo_blobs",
+    metadata,
+    Column("hash", LargeBinary(32), primary_key=True),
+    Column("size", Integer, nullable=False),
+    Column("data", LargeBinary, nullable=False),
+)
+
+blob_refs = Table(
+    "oo_blob_refs",
+    metadata,
+    Column("owner", String(200), nullable=False),
+    Column("hash", LargeBinary(32), nullable=False),
+    PrimaryKeyConstraint("owner", "hash"),
+    sqlite_with_rowid=False,
+)
+blob_refs_by_hash = Index("oo_blob_refs_hash", blob_refs.c.hash)
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One schema migration of a component.
+
+    Attributes:
+        version: The schema version this migration produces.
+        description: What it changes, for ``onceonly migrate --sql``.
+        statements: DDL elements, executed in order in one transaction.
+    """
+
+    version: int
+    description: str
+    statements: Sequence[DDLElement]
+
+
+CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "runs, checkpoints (delta + keyframe), content-addressed blobs and their references",
+        (
+            CreateTable(runs),
+            CreateIndex(runs_by_status),
+            CreateTable(checkpoints),
+            CreateTable(blobs),
+            CreateTable(blob_refs),
+            CreateIndex(blob_refs_by_hash),
+        ),
+    ),
+)
+CHECKPOINT_SCHEMA_VERSION = CHECKPOINT_MIGRATIONS[-1].version
+
+
+def _version_table_exists(conn: Connection) -> bool:
+    return inspect(conn).has_table(schema_versions.name)
+
+
+def current_version(conn: Connection, component: str) -> int:
+    """The schema version of ``component`` recorded in the database (0 when absent)."""
+    if not _version_table_exists(conn):
+        return 0
+    row = conn.execute(
+        select(schema_versions.c.version).where(schema_versions.c.component == component)
+    ).first()
+    return 0 if row is None else int(row[0])
+
+
+def pending_sql(engine: Engine, component: str, migrations: Sequence[Migration]) -> str:
+    """The SQL that :func:`apply_migrations` would run, for review by a DBA."""
+    with engine.connect() as conn:
+        have = current_version(conn, component)
+        has_table = _version_table_exists(conn)
+    out: list[str] = []
+    dialect = engine.dialect
+    if not has_table:
+        out.append(str(CreateTable(schema_versions).compile(dialect=dialect)).strip() + ";")
+    for m in migrations:
+        if m.version <= have:
+            continue
+        out.append(f"-- {component} v{m.version}: {m.description}")
+        out.extend(str(s.compile(dialect=dialect)).strip() + ";" for s in m.statements)
+        out.append(
+            f"-- then record it: INSERT or UPDATE onceonly_schema "
+            f"SET version = {m.version} WHERE component = '{component}';"
+        )
+    return "\n".join(out) + "\n"
+
+
+def apply_migrations(engine: Engine, component: str, migrations: Sequence[Migration]) -> int:
+    """Apply every migration of ``component`` newer than the database, in one transaction.
+
+    Returns:
+        The number of migrations applied.
+
+    Raises:
+        SchemaVersionError: The database is newer than this code.
+    """
+    latest = migrations[-1].version
+    with engine.begin() as conn:
+        if not _version_table_exists(conn):
+            conn.execute(CreateTable(schema_versions, if_not_exists=True))
+        have = current_version(conn, component)
+        if have > latest:
+            raise newer_schema_error(component, have, latest)
+        applied = 0
+        for m in migrations:
+            if m.version <= have:
+                continue
+            for stmt in m.statements:
+                conn.execute(stmt)
+            applied += 1
+        if applied:
+            now = time.time()
+            if have == 0:
+                conn.execute(
+                    schema_versions.insert().values(
+                        component=component, version=latest, applied_at=now
+                    )
+                )
+            else:
+                conn.execute(
+                    schema_versions.update()
+                    .where(schema_versions.c.component == component)
+                    .values(version=latest, applied_at=now)
+                )
+    return applied
+
+
+def newer_schema_error(component: str, found: int, expected: int) -> SchemaVersionError:
+    return SchemaVersionError(
+        component,
+        found,
+        expected,
+        f"the database's {component} schema is version {found}, newer than version "
+        f"{expected} that this onceonly understands; it was written by a newer release. "
+        f"Upgrade onceonly (never downgrade a store in place); nothing was changed.",
+    )
+
+
+def older_schema_error(component: str, found: int, expected: int) -> SchemaVersionError:
+    return SchemaVersionError(
+        component,
+        found,
+        expected,
+        f"the database's {component} schema is version {found}; this onceonly needs "
+        f"version {expected}. Run `onceonly migrate --url <database url>` (or "
+        f"`onceonly migrate --url <url> --sql` to review the SQL first); nothing was changed.",
+    )

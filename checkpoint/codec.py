@@ -1,0 +1,252 @@
+"""The canonical, type-tagged value codec.
+
+Values are encoded as canonical JSON (sorted keys, no whitespace, UTF-8) in which every
+value that JSON cannot carry exactly is a one-key object whose key starts with ``"\\x00"``::
+
+    bytes       {"\\x00b": "<base64>"}           tuple      {"\\x00t": [...]}
+    datetime    {"\\x00dt": "<isoformat>"}       date       {"\\x00d": "<isoformat>"}
+    Decimal     {"\\x00n": "<str>"}              UUID       {"\\x00u": "<hex>"}
+    set         {"\\x00S": [...sorted]}          frozenset  {"\\x00F": [...sorted]}
+    nan / inf   {"\\x00f": "nan" | "inf" | "-inf"}
+    dataclass   {"\\x00c": ["<registered name>", {field: value, ...}]}
+    other dict  {"\\x00m": [[key, value], ...sorted by the key's encoding]}
+
+A plain ``dict`` whose keys are all strings not starting with ``"\\x00"`` is a JSON
+object; any other mapping (integer or tuple keys, or a key that looks like a tag) uses the
+escaped ``"\\x00m"`` form, so no user data can be mistaken for a tag.
+
+Guarantees:
+
+* **Deterministic**: equal values of the same types encode to the same bytes, whatever the
+  insertion order of dicts or sets, the process or the hash seed.
+* **Strict**: only the types above (exact types, not subclasses) and dataclasses
+  registered with :meth:`Codec.register` are accepted; anything else raises
+  :class:`~checkpoint.errors.CodecError` when saving, never when loading.
+* **Data, never code**: decoding constructs only the types above; there is no pickle.
+
+Aware datetimes keep their UTC offset but not a named zone (``ZoneInfo`` becomes a fixed
+offset, which compares equal). ``-0.0`` and ``0.0`` are kept distinct.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime as _dt
+import json
+import math
+import uuid
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any
+
+from .errors import CodecError, CorruptRecord, UnknownCodecTag
+
+__all__ = ["Codec"]
+
+_DUMPS = json.JSONEncoder(
+    ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False
+).encode
+_TAG = "\x00"
+
+
+def _sort_key(item: tuple[Any, Any]) -> str:
+    return _DUMPS(item[0])
+
+
+class Codec:
+    """Encodes values to canonical bytes and back.
+
+    A codec holds the registry of dataclasses it may encode. Register each dataclass
+    under a stable name (it is stored with the value, so renaming the Python class does
+    not break old checkpoints)::
+
+        codec = Codec()
+        codec.register(Vendor, name="vendor.v1")
+
+    Args:
+        strict: When False, unknown tags decode to ``{"$unknown": tag, "value": ...}``
+            instead of raising; for inspection tools only.
+    """
+
+    def __init__(self, *, strict: bool = True) -> None:
+        self._strict = strict
+        self._by_type: dict[type[Any], str] = {}
+        self._by_name: dict[str, type[Any]] = {}
+
+    # -- registry ---------------------------------------------------------------------
+    def register(self, cls: type[Any], *, name: str | None = None) -> type[Any]:
+        """Allow instances of a dataclass to be encoded.
+
+        Args:
+            cls: A dataclass type.
+            name: The stable name stored with each value; defaults to
+                ``module.QualName``.
+
+        Returns:
+            ``cls``, so this can be used as a decorator via ``functools.partial``.
+
+        Raises:
+            CodecError: ``cls`` is not a dataclass, or the name is taken by another type.
+        """
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise CodecError(f"only dataclasses can be registered, not {cls!r}")
+        tag_name = name or f"{cls.__module__}.{cls.__qualname__}"
+        existing = self._by_name.get(tag_name)
+        if existing is not None and existing is not cls:
+            raise CodecError(f"codec name {tag_name!r} is already registered for {existing!r}")
+        self._by_type[cls] = tag_name
+        self._by_name[tag_name] = cls
+        return cls
+
+    @property
+    def registered(self) -> dict[str, type[Any]]:
+        """The registered dataclasses by stored name (a copy)."""
+        return dict(self._by_name)
+
+    # -- encoding ---------------------------------------------------------------------
+    def encode(self, value: Any) -> bytes:
+        """Encode ``value`` to canonical UTF-8 JSON bytes.
+
+        Raises:
+            CodecError: The value (or something inside it) has an unsupported type.
+        """
+        try:
+            return _DUMPS(self._tree(value)).encode("utf-8")
+        except CodecError:
+            raise
+        except (ValueError, TypeError, RecursionError, UnicodeEncodeError) as exc:
+            raise CodecError(f"cannot encode value: {exc}") from exc
+
+    def _tree(self, v: Any) -> Any:
+        t = type(v)
+        if t is str or t is int or t is bool or v is None:
+            return v
+        if t is float:
+            if math.isfinite(v):
+                return v
+            return {"\x00f": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if t is dict:
+            tree = self._tree
+            out: dict[str, Any] = {}
+            for k, x in v.items():
+                if type(k) is not str or k[:1] == _TAG:
+                    return self._mapping(v)
+                tx = type(x)
+                out[k] = x if (tx is str or tx is int or tx is bool) else tree(x)
+            return out
+        if t is list:
+            tree = self._tree
+            return [x if type(x) is str else tree(x) for x in v]
+        if t is tuple:
+            return {"\x00t": [self._tree(x) for x in v]}
+        if t is bytes:
+            return {"\x00b": base64.b64encode(v).decode("ascii")}
+        if t is _dt.datetime:
+            return {"\x00dt": v.isoformat()}
+        if t is _dt.date:
+            return {"\x00d": v.isoformat()}
+        if t is Decimal:
+            return {"\x00n": str(v)}
+        if t is uuid.UUID:
+            return {"\x00u": v.hex}
+        if t is set or t is frozenset:
+            items = sorted((self._tree(x) for x in v), key=_DUMPS)
+            return {("\x00S" if t is set else "\x00F"): items}
+        name = self._by_type.get(t)
+        if name is not None:
+            fields = {
+                f.name: self._tree(getattr(v, f.name)) for f in dataclasses.fields(v) if f.init
+            }
+            return {"\x00c": [name, fields]}
+        if dataclasses.is_dataclass(v):
+            raise CodecError(
+                f"dataclass {t.__module__}.{t.__qualname__} is not registered with this "
+                f"codec; call codec.register({t.__qualname__}, name=...) before saving it"
+            )
+        raise CodecError(
+            f"cannot encode a value of type {t.__module__}.{t.__qualname__}: supported are "
+            f"None, bool, int, float, str, bytes, list, tuple, dict, set, frozenset, "
+            f"datetime, date, Decimal, UUID and registered dataclasses"
+        )
+
+    def _mapping(self, v: dict[Any, Any]) -> dict[str, Any]:
+        pairs = [(self._tree(k), self._tree(x)) for k, x in v.items()]
+        pairs.sort(key=_sort_key)
+        return {"\x00m": [list(p) for p in pairs]}
+
+    # -- decoding ---------------------------------------------------------------------
+    def decode(self, data: bytes | str) -> Any:
+        """Decode bytes produced by :meth:`encode`.
+
+        Raises:
+            CorruptRecord: The bytes are not valid canonical JSON.
+            UnknownCodecTag: A tag (or dataclass name) is not known to this codec.
+        """
+        try:
+            return json.loads(data, object_hook=self._hook)
+        except CorruptRecord:
+            raise
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise CorruptRecord(f"undecodable value ({exc})") from exc
+
+    def _hook(self, d: dict[str, Any]) -> Any:
+        if len(d) != 1:
+            return d
+        ((k, x),) = d.items()
+        if k[:1] != _TAG:
+            return d
+        decoder = _DECODERS.get(k)
+        if decoder is not None:
+            return decoder(x)
+        if k == "\x00c":
+            return self._dataclass(x)
+        if k == "\x00m":
+            return {(_hashable(p[0])): p[1] for p in x}
+        if not self._strict:
+            return {"$unknown": k[1:], "value": x}
+        raise UnknownCodecTag(f"unknown codec tag {k[1:]!r}")
+
+    def _dataclass(self, x: Any) -> Any:
+        name, fields = x
+        cls = self._by_name.get(name)
+        if cls is None:
+            if not self._strict:
+                return {"$unknown": name, "value": fields}
+            raise UnknownCodecTag(
+                f"dataclass {name!r} is not registered with this codec; register the class "
+                f"that wrote it with codec.register(cls, name={name!r})"
+            )
+        try:
+            return cls(**fields)
+        except TypeError as exc:
+            raise UnknownCodecTag(
+                f"stored fields of dataclass {name!r} do not match its definition ({exc}); "
+                f"register a state migration for the changed class"
+            ) from exc
+
+
+def _hashable(v: Any) -> Any:
+    # Keys of an escaped mapping arrive decoded; lists cannot be keys, tuples can.
+    if type(v) is list:
+        raise CorruptRecord("a mapping key decoded to a list")
+    return v
+
+
+def _float(x: str) -> float:
+    if x not in ("nan", "inf", "-inf"):
+        raise CorruptRecord(f"bad float tag value {x!r}")
+    return float(x)
+
+
+_DECODERS: dict[str, Callable[[Any], Any]] = {
+    "\x00t": tuple,
+    "\x00b": lambda x: base64.b64decode(x, validate=True),
+    "\x00dt": _dt.datetime.fromisoformat,
+    "\x00d": _dt.date.fromisoformat,
+    "\x00n": Decimal,
+    "\x00u": lambda x: uuid.UUID(hex=x),
+    "\x00S": set,
+    "\x00F": frozenset,
+    "\x00f": _float,
+}

@@ -1,0 +1,249 @@
+"""Errors raised by the checkpoint core.
+
+Every error onceonly raises derives from :class:`OnceOnlyError`; the upper layers
+(``ledger``, ``adapters``, ``onceonly``) extend this tree rather than start their own::
+
+    OnceOnlyError
+    ├── ConfigurationError          a setting is missing, malformed or too weak
+    │   └── WeakDurabilityError     SQLite pragmas read back weaker than required
+    ├── StoreError                  the database refused or failed (driver errors chained)
+    │   ├── DatabaseLocked          another writer held the lock past busy_timeout
+    │   ├── DatabaseUnavailable     the database cannot be opened or reached
+    │   ├── ConcurrentWrite         another writer advanced the run first
+    │   └── RunExists               a run with this id already exists
+    ├── SchemaVersionError          the store's schema is older or newer than this code
+    ├── CodecError                  a value cannot be encoded (raised at save time)
+    ├── CorruptRecord               a stored blob or row fails its integrity check
+    │   └── UnknownCodecTag         a stored value carries a tag this codec does not know
+    ├── StateVersionError           a checkpoint's state schema cannot be brought to current
+    ├── NotFound                    no such run or checkpoint
+    │   ├── RunNotFound
+    │   └── CheckpointNotFound
+    ├── LeaseHeld                   another worker holds the run's lease
+    └── AsyncWriteError             a background (async durability) write failed earlier
+
+Errors carry structured fields (``run_id``, ``seq``, ``blob``) and their message says
+what to do about them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncWriteError",
+    "CheckpointNotFound",
+    "CodecError",
+    "ConcurrentWrite",
+    "ConfigurationError",
+    "CorruptRecord",
+    "DatabaseLocked",
+    "DatabaseUnavailable",
+    "LeaseHeld",
+    "NotFound",
+    "OnceOnlyError",
+    "RunExists",
+    "RunNotFound",
+    "SchemaVersionError",
+    "StateVersionError",
+    "StoreError",
+    "UnknownCodecTag",
+    "WeakDurabilityError",
+]
+
+
+class OnceOnlyError(Exception):
+    """Root of every error raised by onceonly."""
+
+
+class ConfigurationError(OnceOnlyError):
+    """A setting is missing, malformed, or weaker than onceonly requires."""
+
+
+class WeakDurabilityError(ConfigurationError):
+    """The database reports durability settings weaker than required.
+
+    Attributes:
+        setting: The pragma or parameter that is too weak.
+        actual: The value the database reported.
+        required: The value onceonly requires.
+    """
+
+    def __init__(self, setting: str, actual: object, required: object) -> None:
+        self.setting = setting
+        self.actual = actual
+        self.required = required
+        super().__init__(
+            f"SQLite reports {setting}={actual!r}, weaker than the required {required!r}; "
+            f"a crash could lose or tear committed checkpoints. Open the store on a local "
+            f"file system that supports {setting}={required!r} (not a network share or "
+            f"an in-memory database), or do not override this pragma."
+        )
+
+
+class StoreError(OnceOnlyError):
+    """The database refused or failed an operation; the driver error is chained."""
+
+
+class DatabaseLocked(StoreError):
+    """Another writer held the database lock for longer than ``busy_timeout``."""
+
+
+class DatabaseUnavailable(StoreError):
+    """The database cannot be opened or reached."""
+
+
+class ConcurrentWrite(StoreError):
+    """Another writer advanced the run between this writer's read and its write.
+
+    Attributes:
+        run_id: The run that was written concurrently.
+        expected_seq: The head this writer expected.
+    """
+
+    def __init__(self, run_id: str, expected_seq: int) -> None:
+        self.run_id = run_id
+        self.expected_seq = expected_seq
+        super().__init__(
+            f"run {run_id!r} advanced past checkpoint {expected_seq} in another writer; "
+            f"nothing was written. Take the run's lease before writing (Store.acquire_lease), "
+            f"reload it with Store.load and apply the step again."
+        )
+
+
+class RunExists(StoreError):
+    """A run with this id already exists; nothing was written."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(
+            f"a run {run_id!r} already exists; load it with Store.load({run_id!r}) to resume "
+            f"it, or pick another run id"
+        )
+
+
+class SchemaVersionError(OnceOnlyError):
+    """The database schema is older or newer than this version of onceonly.
+
+    Attributes:
+        component: The schema component (``checkpoint``, ``ledger``).
+        found: The version recorded in the database.
+        expected: The version this code needs.
+    """
+
+    def __init__(self, component: str, found: int, expected: int, message: str) -> None:
+        self.component = component
+        self.found = found
+        self.expected = expected
+        super().__init__(message)
+
+
+class CodecError(OnceOnlyError):
+    """A value cannot be encoded; raised when saving, never first discovered when loading."""
+
+
+class CorruptRecord(OnceOnlyError):
+    """A stored blob or row failed its integrity check and was not used.
+
+    Attributes:
+        run_id: The run the record belongs to, when known.
+        seq: The checkpoint sequence number, when known.
+        blob: The hex digest of the blob, when the record is a blob.
+        detail: What exactly failed.
+    """
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        run_id: str | None = None,
+        seq: int | None = None,
+        blob: str | None = None,
+    ) -> None:
+        self.detail = detail
+        self.run_id = run_id
+        self.seq = seq
+        self.blob = blob
+        where = []
+        if run_id is not None:
+            where.append(f"run {run_id!r}")
+        if seq is not None:
+            where.append(f"checkpoint {seq}")
+        if blob is not None:
+            where.append(f"blob {blob}")
+        place = ", ".join(where) if where else "a stored record"
+        super().__init__(
+            f"{place}: {detail}. The record was not used. Restore the database from a "
+            f"backup, or fork the run from an earlier checkpoint that still verifies."
+        )
+
+
+class UnknownCodecTag(CorruptRecord):
+    """A stored value carries a type tag this codec does not know.
+
+    Usually a dataclass that was registered by the code that wrote the value and is not
+    registered here: register it (``Codec.register``) or load with the writer's codec.
+    """
+
+
+class StateVersionError(OnceOnlyError):
+    """A checkpoint's state schema version cannot be brought to the current one.
+
+    Attributes:
+        run_id: The run.
+        found: The state schema version stored with the checkpoint.
+        current: The version the caller's migrations produce.
+    """
+
+    def __init__(self, run_id: str, found: int, current: int, message: str) -> None:
+        self.run_id = run_id
+        self.found = found
+        self.current = current
+        super().__init__(message)
+
+
+class NotFound(OnceOnlyError):
+    """No such record."""
+
+
+class RunNotFound(NotFound):
+    """No run with this id exists in the store."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(f"no run {run_id!r} in this store; list runs with `onceonly runs list`")
+
+
+class CheckpointNotFound(NotFound):
+    """The run has no checkpoint with this sequence number (or none at all)."""
+
+    def __init__(self, run_id: str, seq: int | None) -> None:
+        self.run_id = run_id
+        self.seq = seq
+        what = "no checkpoint yet" if seq is None else f"no checkpoint {seq}"
+        super().__init__(f"run {run_id!r} has {what}; see Store.history({run_id!r})")
+
+
+class LeaseHeld(OnceOnlyError):
+    """Another worker holds a live lease on the run.
+
+    Attributes:
+        run_id: The run.
+        owner: The current lease owner.
+        expires_at: When the lease expires (UNIX seconds).
+    """
+
+    def __init__(self, run_id: str, owner: str, expires_at: float) -> None:
+        self.run_id = run_id
+        self.owner = owner
+        self.expires_at = expires_at
+        super().__init__(
+            f"run {run_id!r} is leased by {owner!r} until {expires_at:.3f}; wait for the "
+            f"lease to expire or for that worker to release it"
+        )
+
+
+class AsyncWriteError(OnceOnlyError):
+    """A background write (durability ``async``) failed; the original error is chained.
+
+    The checkpoints queued after the failed one were not written. Reload the run from
+    the store to see what was made durable.
+    """

@@ -1,0 +1,1223 @@
+"""The checkpoint store: runs, checkpoints (delta + keyframe), blobs, durability modes."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from sqlalchemy import and_, bindparam, delete, exists, or_, select, text, update
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import Connection, Engine
+
+from . import _delta, _schema
+from ._engine import READ_ONLY, configure, make_engine, translate, verify_durability
+from .codec import Codec
+from .errors import (
+    AsyncWriteError,
+    CheckpointNotFound,
+    ConcurrentWrite,
+    ConfigurationError,
+    CorruptRecord,
+    LeaseHeld,
+    OnceOnlyError,
+    RunExists,
+    RunNotFound,
+    StateVersionError,
+    StoreError,
+)
+from .records import (
+    CheckpointInfo,
+    Durability,
+    Handoff,
+    KeyframePolicy,
+    RetentionPolicy,
+    RetentionReport,
+    Run,
+    RunStatus,
+    Snapshot,
+    Source,
+    StateMigrations,
+)
+
+__all__ = ["Store", "migrate"]
+
+_UNSET: Final = object()
+_KEYFRAME, _DELTA = 0, 1
+_HEAD_CACHE = 1024
+
+
+@dataclass
+class _Head:
+    """What this process knows of a run's latest checkpoint (a private copy)."""
+
+    seq: int
+    keyframe_seq: int
+    deltas: int
+    delta_bytes: int
+    keyframe_bytes: int
+    schema_version: int
+    state: dict[str, Any]
+    lists: dict[str, _delta.ListChunks] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    """A checkpoint encoded and waiting to be written."""
+
+    run_id: str
+    seq: int
+    kind: int
+    keyframe_seq: int
+    step: str
+    source: str
+    schema_version: int
+    created_at: float
+    body: bytes  # stored form
+    digest: bytes
+    blobs: dict[bytes, bytes]  # hash -> stored form
+    refs: set[bytes]
+    run_values: dict[str, Any]
+
+    def info(self) -> CheckpointInfo:
+        return CheckpointInfo(
+            run_id=self.run_id,
+            seq=self.seq,
+            step=self.step,
+            source=Source(self.source),
+            schema_version=self.schema_version,
+            created_at=self.created_at,
+            keyframe=self.kind == _KEYFRAME,
+            keyframe_seq=self.keyframe_seq,
+        )
+
+
+class _Barrier:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+class Store:
+    """A durable store of runs and their checkpoints.
+
+    Open one with :meth:`open` (a URL) or construct it around an existing SQLAlchemy
+    :class:`~sqlalchemy.engine.Engine`. The same schema and behaviour hold on SQLite (the
+    embedded default: WAL, ``synchronous=FULL``, ``BEGIN IMMEDIATE`` writes, read back
+    and enforced) and on PostgreSQL (psycopg 3).
+
+    Example::
+
+        with Store.open("sqlite:///runs.db") as store:
+            run = store.create_run("onboarding", next_step="collect")
+            store.save(run.run_id, {"docs": [], "vendor": None}, step="start")
+            snap = store.load(run.run_id)
+
+    Args:
+        engine: The SQLAlchemy engine. onceonly installs its connection hooks on it.
+        durability: When checkpoints become durable (see :class:`Durability`).
+        codec: The value codec (register your dataclasses on it).
+        keyframes: When to write a full keyframe instead of a delta.
+        migrations: Default state migrations applied when loading.
+        create: Create the schema when the database has none (an older schema is never
+            migrated implicitly; use :func:`migrate`).
+        busy_timeout_ms: How long a SQLite writer waits for the lock.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        durability: Durability | str = Durability.SYNC,
+        codec: Codec | None = None,
+        keyframes: KeyframePolicy | None = None,
+        migrations: StateMigrations | None = None,
+        create: bool = True,
+        busy_timeout_ms: int = 5000,
+    ) -> None:
+        try:
+            self.durability = Durability(durability)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"durability must be one of {[d.value for d in Durability]}, not {durability!r}"
+            ) from exc
+        configure(engine, busy_timeout_ms=busy_timeout_ms)
+        self.engine = engine
+        self.codec = codec or Codec()
+        self.keyframes = keyframes or KeyframePolicy()
+        self.migrations = migrations
+        self._dialect = engine.dialect.name
+        if self._dialect not in ("sqlite", "postgresql"):
+            raise ConfigurationError(
+                f"onceonly supports SQLite and PostgreSQL, not {self._dialect!r}"
+            )
+        self._lock = threading.RLock()
+        self._heads: OrderedDict[str, _Head] = OrderedDict()
+        self._pending: list[_Pending] = []
+        self._queue: queue.Queue[_Pending | _Barrier | None] = queue.Queue()
+        self._async_error: BaseException | None = None
+        self._writer: threading.Thread | None = None
+        self._closed = False
+        verify_durability(engine)
+        _check_schema(engine, create=create)
+        insert = pg_dialect.insert if self._dialect == "postgresql" else sqlite_dialect.insert
+        self._ins_blob = insert(_schema.blobs).on_conflict_do_nothing()
+        self._ins_ref = insert(_schema.blob_refs).on_conflict_do_nothing()
+        self._ins_ckpt = _schema.checkpoints.insert()
+        r = _schema.runs
+        self._advance = (
+            update(r)
+            .where(r.c.run_id == bindparam("b_run_id"))
+            .where(r.c.head_seq == bindparam("b_prev"))
+        )
+        self._advance_first = (
+            update(r).where(r.c.run_id == bindparam("b_run_id")).where(r.c.head_seq.is_(None))
+        )
+        if self.durability is Durability.ASYNC:
+            self._writer = threading.Thread(
+                target=self._write_loop, name="onceonly-checkpoint-writer", daemon=True
+            )
+            self._writer.start()
+
+    @classmethod
+    def open(
+        cls,
+        url: str = "sqlite:///onceonly.db",
+        *,
+        durability: Durability | str = Durability.SYNC,
+        codec: Codec | None = None,
+        keyframes: KeyframePolicy | None = None,
+        migrations: StateMigrations | None = None,
+        create: bool = True,
+        busy_timeout_ms: int = 5000,
+    ) -> Store:
+        """Open a store from a database URL (``sqlite:///path`` or
+        ``postgresql+psycopg://...``).
+
+        Raises:
+            ConfigurationError: The URL is malformed or names an unsupported database.
+            WeakDurabilityError: SQLite cannot provide WAL + synchronous=FULL there.
+            DatabaseUnavailable: The database cannot be reached.
+            SchemaVersionError: The schema is older (migrate first) or newer (upgrade).
+        """
+        engine = make_engine(url, busy_timeout_ms=busy_timeout_ms)
+        try:
+            return cls(
+                engine,
+                durability=durability,
+                codec=codec,
+                keyframes=keyframes,
+                migrations=migrations,
+                create=create,
+                busy_timeout_ms=busy_timeout_ms,
+            )
+        except BaseException:
+            engine.dispose()
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Flush pending checkpoints, stop the background writer and dispose the engine.
+
+        Raises:
+            AsyncWriteError: A background write failed (the engine is still disposed).
+        """
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._writer is not None:
+                self._queue.put(None)
+                self._writer.join()
+            self.engine.dispose()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigurationError("the store is closed; open a new one")
+        err = self._async_error
+        if err is not None:
+            self._async_error = None
+            raise AsyncWriteError(
+                f"a background checkpoint write failed: {err}; the checkpoints queued after "
+                f"it were not written. Reload the run with Store.load to continue from what "
+                f"is durable."
+            ) from err
+
+    def flush(self) -> None:
+        """Write barrier: when this returns, every checkpoint saved before it is durable.
+
+        Call it before any external effect. A no-op in ``sync`` mode.
+
+        Raises:
+            AsyncWriteError: A background write failed.
+            StoreError: Writing the pending checkpoints failed (``exit`` mode).
+        """
+        if self.durability is Durability.ASYNC and self._writer is not None:
+            if self._writer.is_alive():
+                barrier = _Barrier()
+                self._queue.put(barrier)
+                barrier.done.wait()
+        elif self.durability is Durability.EXIT:
+            with self._lock:
+                pending, self._pending = self._pending, []
+                if pending:
+                    try:
+                        self._write_batch(pending)
+                    except BaseException:
+                        self._heads.clear()
+                        raise
+        self._check_open()
+
+    # -- runs --------------------------------------------------------------------------
+    def create_run(
+        self,
+        flow: str,
+        *,
+        run_id: str | None = None,
+        code_version: str = "0",
+        state_version: int = 1,
+        next_step: str | None = None,
+        handoff: Handoff | None = None,
+        status: RunStatus = RunStatus.RUNNING,
+    ) -> Run:
+        """Create a run (no checkpoint yet).
+
+        Raises:
+            RunExists: A run with ``run_id`` exists already.
+        """
+        self._check_open()
+        rid = run_id or uuid.uuid4().hex
+        now = time.time()
+        values = {
+            "run_id": rid,
+            "flow": flow,
+            "code_version": code_version,
+            "state_version": state_version,
+            "status": RunStatus(status).value,
+            "next_step": next_step,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "handoff": self._encode_handoff(handoff or Handoff()),
+            "head_seq": None,
+            "created_at": now,
+            "updated_at": now,
+        }
+        try:
+            with translate("create a run"), self.engine.begin() as conn:
+                conn.execute(_schema.runs.insert().values(**values))
+        except StoreError as exc:
+            if isinstance(exc.__cause__, sa_exc.IntegrityError):
+                raise RunExists(rid) from exc.__cause__
+            raise
+        return self._run_from_row(values)
+
+    def get_run(self, run_id: str) -> Run:
+        """The stored run.
+
+        Raises:
+            RunNotFound: No such run.
+        """
+        self._check_open()
+        with translate("read a run"), self._reader() as conn:
+            row = (
+                conn.execute(select(_schema.runs).where(_schema.runs.c.run_id == run_id))
+                .mappings()
+                .first()
+            )
+        if row is None:
+            raise RunNotFound(run_id)
+        return self._run_from_row(row)
+
+    def list_runs(
+        self,
+        *,
+        status: RunStatus | str | None = None,
+        flow: str | None = None,
+        limit: int | None = None,
+    ) -> list[Run]:
+        """Runs, most recently updated first, optionally filtered."""
+        self._check_open()
+        r = _schema.runs
+        q = select(r).order_by(r.c.updated_at.desc(), r.c.run_id)
+        if status is not None:
+            q = q.where(r.c.status == RunStatus(status).value)
+        if flow is not None:
+            q = q.where(r.c.flow == flow)
+        if limit is not None:
+            q = q.limit(limit)
+        with translate("list runs"), self._reader() as conn:
+            rows = conn.execute(q).mappings().all()
+        return [self._run_from_row(row) for row in rows]
+
+    def update_run(
+        self,
+        run_id: str,
+        *,
+        status: RunStatus | str | None = None,
+        next_step: Any = _UNSET,
+        handoff: Handoff | None = None,
+        code_version: str | None = None,
+    ) -> Run:
+        """Change a run's status, next step, handoff note or code version.
+
+        Raises:
+            RunNotFound: No such run.
+        """
+        self._check_open()
+        values: dict[str, Any] = {"updated_at": time.time()}
+        if status is not None:
+            values["status"] = RunStatus(status).value
+        if next_step is not _UNSET:
+            values["next_step"] = next_step
+        if handoff is not None:
+            values["handoff"] = self._encode_handoff(handoff)
+        if code_version is not None:
+            values["code_version"] = code_version
+        r = _schema.runs
+        with translate("update a run"), self.engine.begin() as conn:
+            res = conn.execute(update(r).where(r.c.run_id == run_id).values(**values))
+            if res.rowcount == 0:
+                raise RunNotFound(run_id)
+        return self.get_run(run_id)
+
+    def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Run:
+        """Take (or renew) the run's lease for ``ttl_s`` seconds.
+
+        Raises:
+            LeaseHeld: Another owner holds a lease that has not expired.
+            RunNotFound: No such run.
+        """
+        self._check_open()
+        if ttl_s <= 0:
+            raise ConfigurationError("lease ttl_s must be > 0")
+        now = time.time()
+        r = _schema.runs
+        with translate("take a lease"), self.engine.begin() as conn:
+            res = conn.execute(
+                update(r)
+                .where(r.c.run_id == run_id)
+                .where(
+                    or_(
+                        r.c.lease_owner.is_(None),
+                        r.c.lease_owner == owner,
+                        r.c.lease_expires_at < now,
+                    )
+                )
+                .values(lease_owner=owner, lease_expires_at=now + ttl_s, updated_at=now)
+            )
+            if res.rowcount == 0:
+                row = conn.execute(
+                    select(r.c.lease_owner, r.c.lease_expires_at).where(r.c.run_id == run_id)
+                ).first()
+                if row is None:
+                    raise RunNotFound(run_id)
+                raise LeaseHeld(run_id, str(row[0]), float(row[1]))
+        return self.get_run(run_id)
+
+    def release_lease(self, run_id: str, owner: str) -> bool:
+        """Give up the lease if ``owner`` holds it. Returns whether it was held."""
+        self._check_open()
+        r = _schema.runs
+        with translate("release a lease"), self.engine.begin() as conn:
+            res = conn.execute(
+                update(r)
+                .where(and_(r.c.run_id == run_id, r.c.lease_owner == owner))
+                .values(lease_owner=None, lease_expires_at=None)
+            )
+        return bool(res.rowcount)
+
+    # -- checkpoints: write ------------------------------------------------------------
+    def save(
+        self,
+        run_id: str,
+        state: Mapping[str, Any],
+        *,
+        step: str,
+        next_step: Any = _UNSET,
+        status: RunStatus | str | None = None,
+        source: Source | str = Source.STEP,
+        schema_version: int | None = None,
+    ) -> CheckpointInfo:
+        """Checkpoint the run's whole state; only what changed since the parent is stored.
+
+        Dict channels are compared key by key and lists by appended suffix, so a step that
+        changes five keys of a large dict or appends one message writes about that much.
+
+        Args:
+            run_id: The run.
+            state: Mapping of channel name to value (any codec-encodable value).
+            step: The step that produced this state.
+            next_step: The run's next step, advanced atomically with the checkpoint.
+            status: The run's new status, advanced atomically with the checkpoint.
+            source: Who wrote it.
+            schema_version: The state-schema version (default: the run's).
+
+        Returns:
+            The new checkpoint's metadata (durable on return in ``sync`` mode).
+
+        Raises:
+            CodecError: A value cannot be encoded; nothing was written.
+            ConcurrentWrite: Another writer advanced the run; nothing was written.
+        """
+        with self._lock:
+            self._check_open()
+            head = self._head(run_id)
+            ops = _delta.diff(head.state if head else {}, state)
+            return self._commit_ops(
+                run_id, head, ops, step, next_step, status, source, schema_version
+            )
+
+    def update(
+        self,
+        run_id: str,
+        *,
+        step: str,
+        set: Mapping[str, Any] | None = None,
+        merge: Mapping[str, Mapping[str, Any]] | None = None,
+        append: Mapping[str, Sequence[Any]] | None = None,
+        delete: Iterable[str] = (),
+        next_step: Any = _UNSET,
+        status: RunStatus | str | None = None,
+        source: Source | str = Source.STEP,
+        schema_version: int | None = None,
+    ) -> CheckpointInfo:
+        """Checkpoint explicit changes: O(changed) work, no comparison with the parent.
+
+        Args:
+            set: Channels replaced by new values.
+            merge: For dict channels, keys to set (a value of :data:`DELETE`-free dict);
+                use ``delete`` of whole channels or ``save`` to remove keys.
+            append: For list channels, items to append.
+            delete: Channels to remove.
+
+        Other arguments and errors as in :meth:`save`.
+        """
+        with self._lock:
+            self._check_open()
+            head = self._head(run_id)
+            current = head.state if head else {}
+            ops: dict[str, _delta.Op] = {}
+            for ch, v in (set or {}).items():
+                ops[ch] = ("s", v)
+            for ch, kv in (merge or {}).items():
+                if type(current.get(ch)) is not dict:
+                    raise ConfigurationError(f"cannot merge into channel {ch!r}: not a dict")
+                if not all(type(k) is str and k[:1] != "\x00" for k in kv):
+                    raise ConfigurationError("merge keys must be strings not starting with NUL")
+                ops[ch] = ("m", dict(kv), [])
+            for ch, items in (append or {}).items():
+                if type(current.get(ch)) is not list:
+                    raise ConfigurationError(f"cannot append to channel {ch!r}: not a list")
+                ops[ch] = ("a", list(items))
+            for ch in delete:
+                ops[ch] = ("x",)
+            _delta.diff({}, dict.fromkeys(ops))  # validates channel names
+            return self._commit_ops(
+                run_id, head, ops, step, next_step, status, source, schema_version
+            )
+
+    def _commit_ops(
+        self,
+        run_id: str,
+        head: _Head | None,
+        ops: dict[str, _delta.Op],
+        step: str,
+        next_step: Any,
+        status: RunStatus | str | None,
+        source: Source | str,
+        schema_version: int | None,
+    ) -> CheckpointInfo:
+        src = Source(source).value
+        run_values: dict[str, Any] = {}
+        if next_step is not _UNSET:
+            run_values["next_step"] = next_step
+        if status is not None:
+            run_values["status"] = RunStatus(status).value
+        if head is None:
+            run = self.get_run(run_id)
+            version = schema_version or run.state_version
+            new_state: dict[str, Any] = {}
+            _delta.apply(new_state, _copy_ops(ops), where="save")
+            new_head = _Head(-1, 0, 0, 0, 0, version, new_state)
+        else:
+            version = schema_version or head.schema_version
+            new_head = head
+            _delta.apply(head.state, _copy_ops(ops), where="save")
+        run_values["state_version"] = version
+        seq = new_head.seq + 1
+        policy = self.keyframes
+        keyframe = (
+            head is None
+            or version != head.schema_version
+            or new_head.deltas >= policy.max_deltas
+            or new_head.delta_bytes >= policy.replay_ratio * max(new_head.keyframe_bytes, 1)
+        )
+        try:
+            if keyframe:
+                enc = _delta.encode_keyframe(self.codec, new_head.state, new_head.lists)
+                kind, kf_seq = _KEYFRAME, seq
+            else:
+                enc = _delta.encode_delta(self.codec, ops)
+                for ch, op in ops.items():
+                    if op[0] != "a":
+                        new_head.lists.pop(ch, None)
+                kind, kf_seq = _DELTA, new_head.keyframe_seq
+        except BaseException:
+            self._heads.pop(run_id, None)  # the cached state already holds the change
+            raise
+        pending = _Pending(
+            run_id=run_id,
+            seq=seq,
+            kind=kind,
+            keyframe_seq=kf_seq,
+            step=step,
+            source=src,
+            schema_version=version,
+            created_at=time.time(),
+            body=_delta.pack(enc.raw),
+            digest=_delta.row_digest(run_id, seq, kind, kf_seq, version, enc.raw),
+            blobs={h: _delta.pack(raw) for h, raw in enc.blobs.items()},
+            refs=enc.refs,
+            run_values=run_values,
+        )
+        new_head.seq = seq
+        new_head.schema_version = version
+        if keyframe:
+            new_head.keyframe_seq = seq
+            new_head.deltas = 0
+            new_head.delta_bytes = 0
+            new_head.keyframe_bytes = enc.state_bytes
+        else:
+            new_head.deltas += 1
+            new_head.delta_bytes += len(enc.raw)
+        self._remember(run_id, new_head)
+        if self.durability is Durability.SYNC:
+            try:
+                self._write_batch([pending])
+            except BaseException:
+                self._heads.pop(run_id, None)
+                raise
+        elif self.durability is Durability.ASYNC:
+            self._queue.put(pending)
+        else:
+            self._pending.append(pending)
+        return pending.info()
+
+    def _write_batch(self, batch: Sequence[_Pending]) -> None:
+        """Write checkpoints in one transaction (one durable commit)."""
+        with translate("write checkpoints"), self.engine.begin() as conn:
+            for p in batch:
+                self._write_one(conn, p)
+
+    def _write_one(self, conn: Connection, p: _Pending) -> None:
+        if p.blobs:
+            conn.execute(
+                self._ins_blob,
+                [{"hash": h, "size": len(d), "data": d} for h, d in p.blobs.items()],
+            )
+        if p.refs:
+            conn.execute(self._ins_ref, [{"owner": p.run_id, "hash": h} for h in p.refs])
+        try:
+            conn.execute(
+                self._ins_ckpt,
+                {
+                    "run_id": p.run_id,
+                    "seq": p.seq,
+                    "kind": p.kind,
+                    "keyframe_seq": p.keyframe_seq,
+                    "step": p.step,
+                    "source": p.source,
+                    "schema_version": p.schema_version,
+                    "created_at": p.created_at,
+                    "body": p.body,
+                    "digest": p.digest,
+                },
+            )
+        except sa_exc.IntegrityError as exc:
+            raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
+        values = dict(p.run_values, head_seq=p.seq, updated_at=p.created_at)
+        if p.seq == 0:
+            res = conn.execute(self._advance_first.values(**values), {"b_run_id": p.run_id})
+        else:
+            res = conn.execute(
+                self._advance.values(**values), {"b_run_id": p.run_id, "b_prev": p.seq - 1}
+            )
+        if res.rowcount != 1:
+            raise ConcurrentWrite(p.run_id, p.seq - 1)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch: list[_Pending] = []
+            barriers: list[_Barrier] = []
+            stop = False
+            while True:
+                if isinstance(item, _Barrier):
+                    barriers.append(item)
+                elif item is None:
+                    stop = True
+                    break
+                else:
+                    batch.append(item)
+                if len(batch) >= 512:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if batch and self._async_error is None:
+                try:
+                    self._write_batch(batch)
+                except BaseException as exc:  # noqa: BLE001  (surfaced on the next call)
+                    self._async_error = exc
+                    with self._lock:
+                        self._heads.clear()
+            elif batch:
+                with self._lock:
+                    self._heads.clear()
+            for b in barriers:
+                b.done.set()
+            if stop:
+                return
+
+    # -- checkpoints: read -------------------------------------------------------------
+    def _head(self, run_id: str) -> _Head | None:
+        head = self._heads.get(run_id)
+        if head is not None:
+            self._heads.move_to_end(run_id)
+            return head
+        if self.durability is not Durability.SYNC:
+            self._flush_locked_pending()
+        try:
+            _, head = self._load(run_id, None)
+        except CheckpointNotFound:
+            return None
+        self._remember(run_id, head)
+        return head
+
+    def _flush_locked_pending(self) -> None:
+        if self.durability is Durability.EXIT and self._pending:
+            pending, self._pending = self._pending, []
+            self._write_batch(pending)
+
+    def _remember(self, run_id: str, head: _Head) -> None:
+        self._heads[run_id] = head
+        self._heads.move_to_end(run_id)
+        while len(self._heads) > _HEAD_CACHE:
+            self._heads.popitem(last=False)
+
+    def load(
+        self,
+        run_id: str,
+        seq: int | None = None,
+        *,
+        migrations: StateMigrations | None = None,
+    ) -> Snapshot:
+        """Load the latest checkpoint (or checkpoint ``seq``) of a run.
+
+        Reads one keyframe and the deltas after it: the cost does not grow with the
+        length of the run's history. Every row and blob read is integrity-checked.
+
+        When ``migrations`` (or the store's default) is given and the checkpoint's state
+        is older, the upgrades run; loading the latest checkpoint then records the result
+        as a new checkpoint with source ``migration``.
+
+        Raises:
+            RunNotFound / CheckpointNotFound: Nothing to load.
+            CorruptRecord: A row or blob failed its check; nothing is returned.
+            StateVersionError: The checkpoint is newer than ``migrations.current``, or an
+                upgrade is missing.
+        """
+        with self._lock:
+            self._check_open()
+            self.flush()
+            snap, head = self._load(run_id, seq)
+            if seq is None or seq == head.seq:
+                latest = self._load_head_seq(run_id)
+                if latest == head.seq:
+                    self._remember(run_id, head)
+            mig = migrations or self.migrations
+            if mig is None or snap.info.schema_version == mig.current:
+                return snap
+            upgraded = _upgrade(run_id, snap, mig)
+            if seq is not None and seq != self._load_head_seq(run_id):
+                return Snapshot(upgraded, snap.info)
+            info = self.save(
+                run_id,
+                upgraded,
+                step=snap.info.step,
+                source=Source.MIGRATION,
+                schema_version=mig.current,
+            )
+            self.flush()
+            return Snapshot(_delta.private_copy(upgraded), info)
+
+    def _load_head_seq(self, run_id: str) -> int | None:
+        r = _schema.runs
+        with translate("read a run"), self._reader() as conn:
+            row = conn.execute(select(r.c.head_seq).where(r.c.run_id == run_id)).first()
+        if row is None:
+            raise RunNotFound(run_id)
+        return None if row[0] is None else int(row[0])
+
+    def _reader(self) -> Any:
+        return self.engine.connect().execution_options(**{READ_ONLY: True})
+
+    def _load(self, run_id: str, seq: int | None) -> tuple[Snapshot, _Head]:
+        c = _schema.checkpoints
+        r = _schema.runs
+        with translate("load a checkpoint"), self._reader() as conn, conn.begin():
+            if seq is None:
+                run_row = conn.execute(select(r.c.head_seq).where(r.c.run_id == run_id)).first()
+                if run_row is None:
+                    raise RunNotFound(run_id)
+                if run_row[0] is None:
+                    raise CheckpointNotFound(run_id, None)
+                target = int(run_row[0])
+            else:
+                target = seq
+            kf = (
+                select(c.c.keyframe_seq)
+                .where(c.c.run_id == run_id, c.c.seq == target)
+                .scalar_subquery()
+            )
+            rows = conn.execute(
+                select(
+                    c.c.seq,
+                    c.c.kind,
+                    c.c.keyframe_seq,
+                    c.c.step,
+                    c.c.source,
+                    c.c.schema_version,
+                    c.c.created_at,
+                    c.c.body,
+                    c.c.digest,
+                )
+                .where(c.c.run_id == run_id, c.c.seq >= kf, c.c.seq <= target)
+                .order_by(c.c.seq)
+            ).all()
+            if not rows or rows[-1].seq != target:
+                if seq is not None and not rows:
+                    exists_run = conn.execute(select(r.c.run_id).where(r.c.run_id == run_id))
+                    if exists_run.first() is None:
+                        raise RunNotFound(run_id)
+                raise CheckpointNotFound(run_id, target)
+            bodies = []
+            wanted: set[bytes] = set()
+            for row in rows:
+                body = self._verify_row(run_id, row)
+                bodies.append(body)
+                wanted |= _delta.blob_refs_of(body)
+            blob_values, blob_sizes = self._read_blobs(conn, run_id, target, wanted)
+        first = rows[0]
+        if first.kind != _KEYFRAME or first.seq != rows[-1].keyframe_seq:
+            raise CorruptRecord(
+                "the keyframe this checkpoint depends on is missing", run_id=run_id, seq=target
+            )
+        expected = list(range(first.seq, target + 1))
+        if [row.seq for row in rows] != expected:
+            raise CorruptRecord("a delta in the chain is missing", run_id=run_id, seq=target)
+        lists: dict[str, _delta.ListChunks] = {}
+        try:
+            state = _delta.materialise_keyframe(bodies[0], blob_values, lists)
+            delta_bytes = 0
+            for row, body in zip(rows[1:], bodies[1:], strict=True):
+                ops = _delta.resolve_delta(body, blob_values)
+                _delta.apply(state, ops, where=f"checkpoint {row.seq}")
+                for ch, op in ops.items():
+                    if op[0] != "a":
+                        lists.pop(ch, None)
+                delta_bytes += len(row.body)
+        except CorruptRecord as exc:
+            raise CorruptRecord(exc.detail, run_id=run_id, seq=target) from exc
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise CorruptRecord(
+                f"checkpoint body is malformed ({exc!r})", run_id=run_id, seq=target
+            ) from exc
+        last = rows[-1]
+        info = CheckpointInfo(
+            run_id=run_id,
+            seq=int(last.seq),
+            step=last.step,
+            source=Source(last.source),
+            schema_version=int(last.schema_version),
+            created_at=float(last.created_at),
+            keyframe=last.kind == _KEYFRAME,
+            keyframe_seq=int(last.keyframe_seq),
+        )
+        kf_bytes = len(first.body) + sum(blob_sizes.values())
+        head = _Head(
+            seq=info.seq,
+            keyframe_seq=info.keyframe_seq,
+            deltas=len(rows) - 1,
+            delta_bytes=delta_bytes,
+            keyframe_bytes=kf_bytes,
+            schema_version=info.schema_version,
+            state=state,
+            lists=lists,
+        )
+        return Snapshot(_delta.private_copy(state), info), head
+
+    def _verify_row(self, run_id: str, row: Any) -> Any:
+        try:
+            raw = _delta.unpack(row.body)
+        except CorruptRecord as exc:
+            raise CorruptRecord(exc.detail, run_id=run_id, seq=int(row.seq)) from exc
+        digest = _delta.row_digest(
+            run_id, int(row.seq), int(row.kind), int(row.keyframe_seq), int(row.schema_version), raw
+        )
+        if digest != bytes(row.digest):
+            raise CorruptRecord(
+                "checkpoint row does not match its digest (edited, truncated or moved)",
+                run_id=run_id,
+                seq=int(row.seq),
+            )
+        try:
+            body = self.codec.decode(raw)
+        except CorruptRecord as exc:
+            raise type(exc)(exc.detail, run_id=run_id, seq=int(row.seq)) from exc
+        if not isinstance(body, dict) or not (("k" in body) ^ ("d" in body)):
+            raise CorruptRecord("checkpoint body has no state", run_id=run_id, seq=int(row.seq))
+        return body
+
+    def _read_blobs(
+        self, conn: Connection, run_id: str, seq: int, wanted: set[bytes]
+    ) -> tuple[dict[bytes, Any], dict[bytes, int]]:
+        values: dict[bytes, Any] = {}
+        sizes: dict[bytes, int] = {}
+        if not wanted:
+            return values, sizes
+        b = _schema.blobs
+        want = list(wanted)
+        for i in range(0, len(want), 500):
+            for h, data in conn.execute(
+                select(b.c.hash, b.c.data).where(b.c.hash.in_(want[i : i + 500]))
+            ):
+                key = bytes(h)
+                values[key] = self._verify_blob(run_id, seq, key, bytes(data))
+                sizes[key] = len(data)
+        missing = wanted - values.keys()
+        if missing:
+            raise CorruptRecord(
+                "a blob the checkpoint refers to is missing",
+                run_id=run_id,
+                seq=seq,
+                blob=sorted(missing)[0].hex(),
+            )
+        return values, sizes
+
+    def _verify_blob(self, run_id: str, seq: int, h: bytes, stored: bytes) -> Any:
+        try:
+            raw = _delta.unpack(stored)
+        except CorruptRecord as exc:
+            raise CorruptRecord(exc.detail, run_id=run_id, seq=seq, blob=h.hex()) from exc
+        if _delta.blob_hash(raw) != h:
+            raise CorruptRecord(
+                "blob content does not match its hash", run_id=run_id, seq=seq, blob=h.hex()
+            )
+        try:
+            return self.codec.decode(raw)
+        except CorruptRecord as exc:
+            raise type(exc)(exc.detail, run_id=run_id, seq=seq, blob=h.hex()) from exc
+
+    def history(self, run_id: str, *, limit: int | None = None) -> list[CheckpointInfo]:
+        """Metadata of a run's checkpoints, oldest first (the last ``limit`` if given).
+
+        Raises:
+            RunNotFound: No such run.
+        """
+        self._check_open()
+        self.flush()
+        c = _schema.checkpoints
+        q = select(
+            c.c.seq,
+            c.c.kind,
+            c.c.keyframe_seq,
+            c.c.step,
+            c.c.source,
+            c.c.schema_version,
+            c.c.created_at,
+        ).where(c.c.run_id == run_id)
+        q = q.order_by(c.c.seq.desc()).limit(limit) if limit is not None else q.order_by(c.c.seq)
+        with translate("read history"), self._reader() as conn:
+            rows = conn.execute(q).all()
+            if not rows:
+                r = _schema.runs
+                if conn.execute(select(r.c.run_id).where(r.c.run_id == run_id)).first() is None:
+                    raise RunNotFound(run_id)
+        infos = [
+            CheckpointInfo(
+                run_id=run_id,
+                seq=int(row.seq),
+                step=row.step,
+                source=Source(row.source),
+                schema_version=int(row.schema_version),
+                created_at=float(row.created_at),
+                keyframe=row.kind == _KEYFRAME,
+                keyframe_seq=int(row.keyframe_seq),
+            )
+            for row in rows
+        ]
+        infos.sort(key=lambda i: i.seq)
+        return infos
+
+    # -- retention ---------------------------------------------------------------------
+    def apply_retention(
+        self, policy: RetentionPolicy, *, now: float | None = None
+    ) -> RetentionReport:
+        """Delete (optionally archiving first) finished runs older than the policy allows,
+        then collect blobs no run refers to. Waiting and running runs are never touched.
+
+        Returns:
+            What was removed.
+        """
+        self._check_open()
+        self.flush()
+        cutoff = (time.time() if now is None else now) - policy.older_than_s
+        r = _schema.runs
+        statuses = [RunStatus(s).value for s in policy.statuses]
+        with translate("select runs for retention"), self._reader() as conn:
+            victims = [
+                row[0]
+                for row in conn.execute(
+                    select(r.c.run_id)
+                    .where(r.c.status.in_(statuses), r.c.updated_at < cutoff)
+                    .order_by(r.c.updated_at)
+                )
+            ]
+        archived = 0
+        for run_id in victims:
+            if policy.archive_path is not None:
+                self._archive(run_id, policy.archive_path)
+                archived += 1
+            with translate("delete a run"), self.engine.begin() as conn:
+                # Re-check inside the write transaction: the run may have been resumed.
+                still = conn.execute(
+                    select(r.c.run_id).where(
+                        r.c.run_id == run_id, r.c.status.in_(statuses), r.c.updated_at < cutoff
+                    )
+                ).first()
+                if still is None:
+                    continue
+                conn.execute(
+                    delete(_schema.checkpoints).where(_schema.checkpoints.c.run_id == run_id)
+                )
+                conn.execute(delete(_schema.blob_refs).where(_schema.blob_refs.c.owner == run_id))
+                conn.execute(delete(r).where(r.c.run_id == run_id))
+            self._heads.pop(run_id, None)
+        collected = self.collect_garbage()
+        return RetentionReport(len(victims), archived, collected)
+
+    def _archive(self, run_id: str, path: str) -> None:
+        run = self.get_run(run_id)
+        try:
+            snap: Snapshot | None = self._load(run_id, None)[0]
+        except CheckpointNotFound:
+            snap = None
+        record = {
+            "run": {
+                "run_id": run.run_id,
+                "flow": run.flow,
+                "code_version": run.code_version,
+                "state_version": run.state_version,
+                "status": run.status.value,
+                "next_step": run.next_step,
+                "handoff": {
+                    "goal": run.handoff.goal,
+                    "done": list(run.handoff.done),
+                    "next": list(run.handoff.next),
+                    "ruled_out": list(run.handoff.ruled_out),
+                },
+                "created_at": run.created_at,
+                "updated_at": run.updated_at,
+            },
+            "state": None if snap is None else json.loads(self.codec.encode(snap.state)),
+            "history": [
+                {
+                    "seq": i.seq,
+                    "step": i.step,
+                    "source": i.source.value,
+                    "schema_version": i.schema_version,
+                    "created_at": i.created_at,
+                }
+                for i in self.history(run_id)
+            ],
+        }
+        line = json.dumps(record, sort_keys=True, ensure_ascii=False)
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            import os  # noqa: PLC0415
+
+            os.fsync(fh.fileno())
+
+    def collect_garbage(self) -> int:
+        """Delete blobs that no run refers to. Returns how many were deleted."""
+        self._check_open()
+        b, ref = _schema.blobs, _schema.blob_refs
+        with translate("collect unreferenced blobs"), self.engine.begin() as conn:
+            if self._dialect == "postgresql":
+                # Writers insert blob + reference in one transaction; this lock makes the
+                # sweep wait for them, so a blob is never swept between the two.
+                conn.execute(text("LOCK TABLE oo_blobs IN SHARE ROW EXCLUSIVE MODE"))
+            res = conn.execute(delete(b).where(~exists().where(ref.c.hash == b.c.hash)))
+        return int(res.rowcount or 0)
+
+    # -- helpers -----------------------------------------------------------------------
+    def _encode_handoff(self, h: Handoff) -> bytes:
+        if not isinstance(h, Handoff):
+            raise ConfigurationError(f"handoff must be a Handoff, not {type(h).__name__}")
+        return self.codec.encode(
+            {
+                "goal": h.goal,
+                "done": list(h.done),
+                "next": list(h.next),
+                "ruled_out": list(h.ruled_out),
+            }
+        )
+
+    def _run_from_row(self, row: Mapping[str, Any]) -> Run:
+        handoff = Handoff()
+        if row["handoff"] is not None:
+            try:
+                d = self.codec.decode(bytes(row["handoff"]))
+                handoff = Handoff(
+                    goal=d["goal"],
+                    done=tuple(d["done"]),
+                    next=tuple(d["next"]),
+                    ruled_out=tuple(d["ruled_out"]),
+                )
+            except (KeyError, TypeError, OnceOnlyError) as exc:
+                raise CorruptRecord(
+                    "the run's handoff note is unreadable", run_id=row["run_id"]
+                ) from exc
+        try:
+            status = RunStatus(row["status"])
+        except ValueError as exc:
+            raise CorruptRecord(
+                f"unknown run status {row['status']!r}", run_id=row["run_id"]
+            ) from exc
+        return Run(
+            run_id=row["run_id"],
+            flow=row["flow"],
+            code_version=row["code_version"],
+            state_version=int(row["state_version"]),
+            status=status,
+            next_step=row["next_step"],
+            lease_owner=row["lease_owner"],
+            lease_expires_at=row["lease_expires_at"],
+            handoff=handoff,
+            head_seq=row["head_seq"],
+            created_at=float(row["created_at"]),
+            updated_at=float(row["updated_at"]),
+        )
+
+
+def _copy_ops(ops: Mapping[str, _delta.Op]) -> dict[str, _delta.Op]:
+    out: dict[str, _delta.Op] = {}
+    for ch, op in ops.items():
+        if op[0] == "s":
+            out[ch] = ("s", _delta.private_copy(op[1]))
+        elif op[0] == "m":
+            out[ch] = ("m", _delta.private_copy(op[1]), list(op[2]))
+        elif op[0] == "a":
+            out[ch] = ("a", _delta.private_copy(op[1]))
+        else:
+            out[ch] = op
+    return out
+
+
+def _upgrade(run_id: str, snap: Snapshot, mig: StateMigrations) -> dict[str, Any]:
+    version = snap.info.schema_version
+    if version > mig.current:
+        raise StateVersionError(
+            run_id,
+            version,
+            mig.current,
+            f"run {run_id!r} checkpoint {snap.info.seq} has state version {version}, newer "
+            f"than this code's {mig.current}; it was written by newer code. Run it with that "
+            f"code; nothing was changed.",
+        )
+    state = snap.state
+    while version < mig.current:
+        fn = mig.upgrades.get(version)
+        if fn is None:
+            raise StateVersionError(
+                run_id,
+                version,
+                mig.current,
+                f"no upgrade registered from state version {version} to {version + 1}; add "
+                f"it to StateMigrations.upgrades. Nothing was changed.",
+            )
+        state = fn(state)
+        if not isinstance(state, dict):
+            raise StateVersionError(
+                run_id, version, mig.current, f"upgrade from version {version} returned no dict"
+            )
+        version += 1
+    return state
+
+
+def _check_schema(engine: Engine, *, create: bool) -> None:
+    with translate("open the store"), engine.connect() as conn:
+        have = _schema.current_version(conn, "checkpoint")
+        conn.rollback()
+    want = _schema.CHECKPOINT_SCHEMA_VERSION
+    if have == want:
+        return
+    if have > want:
+        raise _schema.newer_schema_error("checkpoint", have, want)
+    if have == 0 and create:
+        with translate("create the schema"):
+            _schema.apply_migrations(engine, "checkpoint", _schema.CHECKPOINT_MIGRATIONS)
+        return
+    raise _schema.older_schema_error("checkpoint", have, want)
+
+
+def migrate(url_or_engine: str | Engine, *, sql: bool = False) -> str:
+    """Bring the database schema to this release's version (or return the SQL).
+
+    Args:
+        url_or_engine: The database.
+        sql: Return the SQL that would run instead of running it.
+
+    Returns:
+        The SQL (``sql=True``) or a one-line summary of what was applied.
+
+    Raises:
+        SchemaVersionError: The database is newer than this release.
+    """
+    engine = (
+        make_engine(url_or_engine, busy_timeout_ms=5000)
+        if isinstance(url_or_engine, str)
+        else url_or_engine
+    )
+    try:
+        if sql:
+            return _schema.pending_sql(engine, "checkpoint", _schema.CHECKPOINT_MIGRATIONS)
+        with translate("migrate the schema"):
+            n = _schema.apply_migrations(engine, "checkpoint", _schema.CHECKPOINT_MIGRATIONS)
+        return (
+            f"checkpoint schema: applied {n} migration(s); now at version "
+            f"{_schema.CHECKPOINT_SCHEMA_VERSION}"
+        )
+    finally:
+        if isinstance(url_or_engine, str):
+            engine.dispose()

@@ -1,0 +1,3 @@
+"""onceonly ledger layer (built in later issues)."""
+
+__all__: list[str] = []

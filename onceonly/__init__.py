@@ -1,0 +1,3 @@
+"""onceonly onceonly layer (built in later issues)."""
+
+__all__: list[str] = []

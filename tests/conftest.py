@@ -1,0 +1,79 @@
+"""Shared fixtures: every store test runs on SQLite and on PostgreSQL.
+
+PostgreSQL comes from ``ONCEONLY_TEST_PG_URL`` (``.ci/run`` starts one) or, when unset,
+from a throwaway cluster this session starts and stops. It is never skipped silently:
+set ``ONCEONLY_TEST_NO_PG=1`` to run the SQLite half alone, and the run says so.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from checkpoint import Store
+
+from . import pgserver
+
+BACKENDS = ["sqlite"] if os.environ.get("ONCEONLY_TEST_NO_PG") == "1" else ["sqlite", "postgresql"]
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> Iterator[str]:
+    url = os.environ.get("ONCEONLY_TEST_PG_URL")
+    if url:
+        yield url
+        return
+    base = Path(tempfile.mkdtemp(prefix="onceonly-pg-"))
+    url = pgserver.start(base)
+    try:
+        yield url
+    finally:
+        pgserver.stop(base)
+
+
+def _fresh_pg_database(server_url: str) -> tuple[str, Callable[[], None]]:
+    name = "t_" + uuid.uuid4().hex[:16]
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    base, _, query = server_url.partition("?")
+    url = base.rsplit("/", 1)[0] + "/" + name + ("?" + query if query else "")
+
+    def drop() -> None:
+        eng = create_engine(server_url, isolation_level="AUTOCOMMIT")
+        with eng.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        eng.dispose()
+
+    return url, drop
+
+
+@pytest.fixture(params=BACKENDS)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database URL on each backend."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'onceonly.db'}"
+        return
+    server = request.getfixturevalue("pg_server_url")
+    url, drop = _fresh_pg_database(server)
+    try:
+        yield url
+    finally:
+        drop()
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    """A sync-durability store on a fresh database, closed after the test."""
+    s = Store.open(db_url)
+    try:
+        yield s
+    finally:
+        s.close()
