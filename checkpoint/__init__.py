@@ -4,6 +4,7 @@ The bottom layer of onceonly; it imports nothing from ``ledger``, ``adapters`` o
 ``onceonly``.
 """
 
+from ._delta import ChunkedList
 from .codec import Codec
 from .errors import (
     AsyncWriteError,
@@ -44,6 +45,7 @@ __all__ = [
     "AsyncWriteError",
     "CheckpointInfo",
     "CheckpointNotFound",
+    "ChunkedList",
     "Codec",
     "CodecError",
     "ConcurrentWrite",

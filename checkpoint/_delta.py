@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import blake3
 
@@ -47,7 +47,10 @@ def blob_hash(raw: bytes) -> bytes:
 def pack(raw: bytes) -> bytes:
     """Stored form of canonical bytes: compressed when that saves at least 10 %."""
     if len(raw) >= _COMPRESS_MIN:
-        z = zlib.compress(raw, 1)
+        # A 4 KiB window and small memLevel: zlib's set-up cost dominates for the ~1 KiB
+        # deltas on the hot path, and random-looking payloads gain little from more.
+        c = zlib.compressobj(1, zlib.DEFLATED, 12, 5)
+        z = c.compress(raw) + c.flush()
         if len(z) < len(raw) * 0.9:
             return _ZLIB + z
     return _RAW + raw
@@ -74,13 +77,136 @@ def row_digest(
     run_id: str, seq: int, kind: int, keyframe_seq: int, schema_version: int, raw: bytes
 ) -> bytes:
     """Digest binding a checkpoint body to its row: editing either is detected."""
-    h = blake3.blake3()
-    for part in (run_id, str(seq), str(kind), str(keyframe_seq), str(schema_version)):
-        b = part.encode("utf-8")
-        h.update(len(b).to_bytes(4, "big"))
-        h.update(b)
-    h.update(raw)
-    return h.digest(length=16)
+    rid = run_id.encode("utf-8")
+    head = b"%d:%s|%d|%d|%d|%d|" % (len(rid), rid, seq, kind, keyframe_seq, schema_version)
+    return blake3.blake3(head + raw).digest(length=16)
+
+
+# -- lazily loaded list channels ------------------------------------------------------
+
+ChunkFetcher = Callable[[Sequence[str]], dict[str, list[Any]]]
+
+
+class ChunkedList(Sequence[Any]):
+    """A list channel whose sealed chunks are read from the store on first access.
+
+    Returned by ``Store.load(..., lazy=True)`` for long lists (message histories):
+    ``len()`` and appending cost nothing, indexing or slicing near the end reads only the
+    chunks it touches, and iterating reads them all in one query. Chunks are verified
+    against their hashes when read. Compare it with ``==`` to a list, or call
+    :meth:`to_list` for a plain list.
+    """
+
+    __slots__ = ("_cache", "_chunks", "_fetch", "_sealed", "_starts", "_tail")
+
+    def __init__(
+        self,
+        chunks: list[tuple[str, int, int]],
+        tail: list[Any],
+        fetch: ChunkFetcher,
+        cache: dict[str, list[Any]] | None = None,
+    ) -> None:
+        self._chunks = chunks
+        self._tail = tail
+        self._fetch = fetch
+        self._cache: dict[str, list[Any]] = {} if cache is None else cache
+        self._starts: list[int] = []
+        n = 0
+        for _h, count, _size in chunks:
+            self._starts.append(n)
+            n += count
+        self._sealed = n
+
+    def __len__(self) -> int:
+        return self._sealed + len(self._tail)
+
+    def _load(self, hexes: Sequence[str]) -> None:
+        missing = [h for h in hexes if h not in self._cache]
+        if missing:
+            fetched = self._fetch(missing)
+            counts = {c[0]: c[1] for c in self._chunks}
+            for h, items in fetched.items():
+                if type(items) is not list or len(items) != counts.get(h, -1):
+                    raise CorruptRecord(f"list chunk {h} has the wrong length", blob=h)
+            self._cache.update(fetched)
+
+    def _chunk(self, i: int) -> list[Any]:
+        h = self._chunks[i][0]
+        self._load([h])
+        return self._cache[h]
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            rng = range(start, stop, step)
+            if step == 1 and start >= self._sealed:
+                return self._tail[start - self._sealed : stop - self._sealed]
+            first = self._chunk_index(rng[0]) if rng else 0
+            last = self._chunk_index(rng[-1]) if rng else 0
+            self._load([c[0] for c in self._chunks[first : last + 1]])
+            return [self[i] for i in rng]
+        n = len(self)
+        i = index + n if index < 0 else index
+        if not 0 <= i < n:
+            raise IndexError("list index out of range")
+        if i >= self._sealed:
+            return self._tail[i - self._sealed]
+        ci = self._chunk_index(i)
+        return self._chunk(ci)[i - self._starts[ci]]
+
+    def _chunk_index(self, i: int) -> int:
+        import bisect  # noqa: PLC0415  (stdlib, cheap; only on indexed access)
+
+        return bisect.bisect_right(self._starts, i) - 1 if i < self._sealed else len(self._chunks)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._load([c[0] for c in self._chunks])
+        for h, _count, _size in self._chunks:
+            yield from self._cache[h]
+        yield from self._tail
+
+    def to_list(self) -> list[Any]:
+        """All items as a plain list (reads every chunk not yet read)."""
+        return list(self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChunkedList):
+            if other._chunks == self._chunks:
+                return bool(other._tail == self._tail)
+            return self.to_list() == other.to_list()
+        if isinstance(other, list):
+            return len(other) == len(self) and self.to_list() == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ChunkedList(len={len(self)}, chunks={len(self._chunks)})"
+
+    def copy(self) -> ChunkedList:
+        """A copy sharing the immutable chunks (and their read cache), not the tail."""
+        return ChunkedList(
+            list(self._chunks), [private_copy(x) for x in self._tail], self._fetch, self._cache
+        )
+
+    def _extend(self, items: list[Any]) -> None:
+        self._tail.extend(items)
+
+    def _seal(self, chunk: tuple[str, int, int], items: list[Any]) -> None:
+        self._starts.append(self._sealed)
+        self._chunks.append(chunk)
+        self._sealed += chunk[1]
+        self._cache[chunk[0]] = items
+        del self._tail[: chunk[1]]
+
+
+def plain(v: Any) -> Any:
+    """``v`` with a lazily loaded list turned into a plain list."""
+    return v.to_list() if type(v) is ChunkedList else v
 
 
 # -- structural equality and private copies -------------------------------------------
@@ -119,6 +245,8 @@ def private_copy(v: Any) -> Any:
         return tuple(private_copy(x) for x in v)
     if t is set:
         return set(v)
+    if t is ChunkedList:
+        return v.copy()
     import copy  # noqa: PLC0415  (rare path: dataclasses and other registered values)
 
     return copy.deepcopy(v)
@@ -133,14 +261,33 @@ def _pageable(v: Any) -> bool:
 Op = tuple[Any, ...]
 
 
+def check_channel(ch: object) -> None:
+    if type(ch) is not str or ch[:1] == "\x00":
+        raise CodecError(f"channel names must be strings not starting with NUL: {ch!r}")
+
+
+def _list_diff(o: Any, v: Any) -> Op | None:
+    """Append op, set op, or None (unchanged) for a list channel."""
+    if type(o) is ChunkedList and type(v) is ChunkedList and o._chunks == v._chunks:
+        n = len(o._tail)
+        tail = v._tail
+        if len(tail) >= n and all(same(x, y) for x, y in zip(o._tail, tail[:n], strict=True)):
+            return ("a", tail[n:]) if len(tail) > n else None
+        return ("s", v.to_list())
+    ol, vl = plain(o), plain(v)
+    n = len(ol)
+    if len(vl) >= n and all(same(x, y) for x, y in zip(ol, vl[:n], strict=True)):
+        return ("a", vl[n:]) if len(vl) > n else None
+    return ("s", vl)
+
+
 def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Op]:
     """The ops that turn ``old`` into ``new``."""
     ops: dict[str, Op] = {}
     for ch, v in new.items():
-        if type(ch) is not str or ch[:1] == "\x00":
-            raise CodecError(f"channel names must be strings not starting with NUL: {ch!r}")
+        check_channel(ch)
         if ch not in old:
-            ops[ch] = ("s", v)
+            ops[ch] = ("s", plain(v))
             continue
         o = old[ch]
         if o is v:
@@ -156,15 +303,12 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Op]:
                 ops[ch] = ("s", v)
             else:
                 ops[ch] = ("m", changed, sorted(deleted))
-        elif to is list and tv is list:
-            n = len(o)
-            if len(v) >= n and all(same(x, y) for x, y in zip(o, v[:n], strict=True)):
-                if len(v) > n:
-                    ops[ch] = ("a", v[n:])
-            else:
-                ops[ch] = ("s", v)
+        elif to in (list, ChunkedList) and tv in (list, ChunkedList):
+            op = _list_diff(o, v)
+            if op is not None:
+                ops[ch] = op
         elif not same(o, v):
-            ops[ch] = ("s", v)
+            ops[ch] = ("s", plain(v))
     for ch in old:
         if ch not in new:
             ops[ch] = ("x",)
@@ -188,22 +332,17 @@ def apply(state: dict[str, Any], ops: Mapping[str, Any], *, where: str) -> None:
                 target.pop(k, None)
         elif kind == "a":
             target = state.get(ch)
-            if type(target) is not list:
+            if type(target) is list:
+                target.extend(op[1])
+            elif type(target) is ChunkedList:
+                target._extend(list(op[1]))
+            else:
                 raise CorruptRecord(f"append to non-list channel {ch!r} ({where})")
-            target.extend(op[1])
         else:
             raise CorruptRecord(f"unknown delta op {kind!r} on channel {ch!r} ({where})")
 
 
 # -- bodies --------------------------------------------------------------------------
-
-
-@dataclass
-class ListChunks:
-    """Sealed chunks of a list channel as of the last keyframe."""
-
-    chunks: list[tuple[str, int, int]] = field(default_factory=list)  # hex, count, size
-    sealed: int = 0
 
 
 @dataclass
@@ -213,7 +352,7 @@ class Encoded:
     raw: bytes
     blobs: dict[bytes, bytes]  # hash -> canonical bytes
     refs: set[bytes]  # every blob the body refers to
-    state_bytes: int = 0  # keyframes: size of everything a load reads
+    state_bytes: int = 0  # keyframes: bytes an eager load of the latest state reads
 
 
 def encode_delta(codec: Codec, ops: Mapping[str, Op]) -> Encoded:
@@ -241,17 +380,27 @@ def _page_of(key: str, npages: int) -> int:
     return zlib.crc32(key.encode("utf-8")) & (npages - 1)
 
 
-def encode_keyframe(
-    codec: Codec, state: Mapping[str, Any], lists: dict[str, ListChunks]
-) -> Encoded:
-    """Encode a full state; updates ``lists`` with the chunks sealed by this keyframe."""
+@dataclass
+class ListChunks:
+    """Sealed chunks of a plain list channel as of the last keyframe."""
+
+    chunks: list[tuple[str, int, int]] = field(default_factory=list)  # hex, count, size
+    sealed: int = 0
+
+
+def encode_keyframe(codec: Codec, state: dict[str, Any], lists: dict[str, ListChunks]) -> Encoded:
+    """Encode a full state.
+
+    List channels seal every full chunk of :data:`CHUNK_ITEMS` items exactly once; later
+    keyframes refer to sealed chunks by hash. ``lists`` remembers the sealed chunks of
+    plain-list channels between keyframes; lazily loaded lists carry their own.
+    """
     blobs: dict[bytes, bytes] = {}
     refs: set[bytes] = set()
     size = 0
     out: dict[str, list[Any]] = {}
     for ch, v in state.items():
-        if type(ch) is not str or ch[:1] == "\x00":
-            raise CodecError(f"channel names must be strings not starting with NUL: {ch!r}")
+        check_channel(ch)
         t = type(v)
         if t is dict and len(v) >= MAP_MIN_KEYS and _pageable(v):
             npages = 1
@@ -268,19 +417,25 @@ def encode_keyframe(
                 size += len(raw)
                 hexes.append(h.hex())
             out[ch] = ["M", hexes]
+        elif t is ChunkedList:
+            while len(v._tail) >= CHUNK_ITEMS:
+                items = v._tail[:CHUNK_ITEMS]
+                raw = codec.encode(items)
+                h = blob_hash(raw)
+                blobs[h] = raw
+                v._seal((h.hex(), len(items), len(raw)), items)
+            refs.update(bytes.fromhex(c[0]) for c in v._chunks)
+            out[ch] = ["L", [list(c) for c in v._chunks], v._tail]
         elif t is list:
             lc = lists.get(ch)
             if lc is None or lc.sealed > len(v):
                 lc = ListChunks()
-            for h_hex, _count, csize in lc.chunks:
-                refs.add(bytes.fromhex(h_hex))
-                size += csize
+            refs.update(bytes.fromhex(c[0]) for c in lc.chunks)
             while len(v) - lc.sealed >= CHUNK_ITEMS:
                 chunk = v[lc.sealed : lc.sealed + CHUNK_ITEMS]
                 raw = codec.encode(chunk)
                 h = blob_hash(raw)
                 blobs[h] = raw
-                size += len(raw)
                 lc.chunks.append((h.hex(), len(chunk), len(raw)))
                 lc.sealed += len(chunk)
             lists[ch] = lc
@@ -299,8 +454,8 @@ def encode_keyframe(
     return Encoded(body, blobs, refs, state_bytes=size + len(body))
 
 
-def blob_refs_of(body: Mapping[str, Any]) -> set[bytes]:
-    """Every blob hash a decoded body refers to."""
+def blob_refs_of(body: Mapping[str, Any], *, chunks: bool) -> set[bytes]:
+    """The blob hashes a decoded body refers to (list chunks only if ``chunks``)."""
     out: set[bytes] = set()
     for entry in (body.get("k") or body.get("d") or {}).values():
         kind = entry[0]
@@ -308,15 +463,22 @@ def blob_refs_of(body: Mapping[str, Any]) -> set[bytes]:
             out.add(bytes.fromhex(entry[1]))
         elif kind == "M":
             out.update(bytes.fromhex(h) for h in entry[1])
-        elif kind == "L":
+        elif kind == "L" and chunks:
             out.update(bytes.fromhex(c[0]) for c in entry[1])
     return out
 
 
 def materialise_keyframe(
-    body: Mapping[str, Any], blob_values: Mapping[bytes, Any], lists: dict[str, ListChunks]
+    body: Mapping[str, Any],
+    blob_values: Mapping[bytes, Any],
+    lists: dict[str, ListChunks],
+    fetch: ChunkFetcher | None,
 ) -> dict[str, Any]:
-    """Build the state of a keyframe from its body and its decoded blobs."""
+    """Build the state of a keyframe from its body and its decoded blobs.
+
+    With ``fetch``, list channels with sealed chunks become :class:`ChunkedList`;
+    without, their chunks must be among ``blob_values``.
+    """
     state: dict[str, Any] = {}
     for ch, entry in body["k"].items():
         kind = entry[0]
@@ -333,14 +495,16 @@ def materialise_keyframe(
                 merged.update(page)
             state[ch] = merged
         elif kind == "L":
+            chunks = [(str(h), int(count), int(csize)) for h, count, csize in entry[1]]
+            if fetch is not None and chunks:
+                state[ch] = ChunkedList(chunks, list(entry[2]), fetch)
+                continue
             items: list[Any] = []
-            chunks = []
-            for h, count, csize in entry[1]:
+            for h, count, _csize in chunks:
                 chunk = blob_values[bytes.fromhex(h)]
                 if type(chunk) is not list or len(chunk) != count:
                     raise CorruptRecord(f"chunk {h} of channel {ch!r} has the wrong length")
                 items.extend(chunk)
-                chunks.append((h, count, csize))
             items.extend(entry[2])
             state[ch] = items
             lists[ch] = ListChunks(chunks, sum(c[1] for c in chunks))

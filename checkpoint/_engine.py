@@ -81,49 +81,106 @@ def configure(engine: Engine, *, busy_timeout_ms: int) -> None:
     setattr(engine, _CONFIGURED, True)
 
 
-def verify_durability(engine: Engine) -> None:
-    """Read the SQLite settings back and refuse anything weaker than required.
+def open_checks(engine: Engine, component: str) -> int:
+    """Read the SQLite settings back (refusing anything weaker than required) and the
+    schema version of ``component`` (0 when absent), on one raw connection.
 
     Raises:
         WeakDurabilityError: journal mode is not WAL, or synchronous is below FULL, or
             busy_timeout is 0.
     """
-    if engine.dialect.name != "sqlite":
-        return
-    with translate("open the store"), engine.connect() as conn:
-        journal = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
-        sync = int(conn.exec_driver_sql("PRAGMA synchronous").scalar() or 0)
-        busy = int(conn.exec_driver_sql("PRAGMA busy_timeout").scalar() or 0)
-        conn.rollback()
-    if journal != "wal":
-        raise WeakDurabilityError("journal_mode", journal, "wal")
-    if sync < 2:  # 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA
-        raise WeakDurabilityError("synchronous", sync, "FULL (2)")
-    if busy <= 0:
-        raise WeakDurabilityError("busy_timeout", busy, "> 0 ms")
+    with translate("open the store"):
+        conn = engine.raw_connection()
+        try:
+            cur = conn.cursor()
+            if engine.dialect.name == "sqlite":
+                journal = str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+                sync = int(cur.execute("PRAGMA synchronous").fetchone()[0] or 0)
+                busy = int(cur.execute("PRAGMA busy_timeout").fetchone()[0] or 0)
+                if journal != "wal":
+                    raise WeakDurabilityError("journal_mode", journal, "wal")
+                if sync < 2:  # 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA
+                    raise WeakDurabilityError("synchronous", sync, "FULL (2)")
+                if busy <= 0:
+                    raise WeakDurabilityError("busy_timeout", busy, "> 0 ms")
+                cur.execute(
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'onceonly_schema'"
+                )
+                exists = cur.fetchone() is not None
+                mark = "?"
+            else:
+                cur.execute("SELECT to_regclass('onceonly_schema') IS NOT NULL")
+                found = cur.fetchone()
+                exists = bool(found and found[0])
+                mark = "%s"
+            version = 0
+            if exists:
+                cur.execute(
+                    f"SELECT version FROM onceonly_schema WHERE component = {mark}",
+                    (component,),
+                )
+                row = cur.fetchone()
+                version = 0 if row is None else int(row[0])
+            cur.close()
+            conn.rollback()
+        finally:
+            conn.close()
+    return version
+
+
+def _driver_errors() -> tuple[type[BaseException], ...]:
+    import sqlite3  # noqa: PLC0415
+
+    errors: list[type[BaseException]] = [sqlite3.Error]
+    try:
+        import psycopg  # noqa: PLC0415
+    except ImportError:  # the postgres extra is optional
+        pass
+    else:
+        errors.append(psycopg.Error)
+    return tuple(errors)
+
+
+DRIVER_ERRORS: tuple[type[BaseException], ...] = _driver_errors()
 
 
 @contextlib.contextmanager
 def translate(action: str) -> Iterator[None]:
-    """Translate driver errors raised inside the block into onceonly errors."""
+    """Translate driver errors raised inside the block into onceonly errors.
+
+    Both SQLAlchemy-wrapped errors and raw DBAPI errors (from the hot paths, which use
+    the pooled DBAPI connection directly) are translated.
+    """
     try:
         yield
     except sa_exc.DBAPIError as exc:
         raise classify(exc, action) from exc
+    except DRIVER_ERRORS as exc:
+        raise classify(exc, action) from exc
 
 
-def classify(exc: sa_exc.DBAPIError, action: str) -> StoreError:
+def is_integrity_error(exc: BaseException) -> bool:
+    """Whether a (raw or wrapped) driver error is a constraint violation."""
+    if isinstance(exc, sa_exc.IntegrityError):
+        return True
+    return type(exc).__name__ in ("IntegrityError", "UniqueViolation")
+
+
+def classify(exc: BaseException, action: str) -> StoreError:
     """Map a driver error to the onceonly error that says what to do."""
-    text = str(exc.orig).lower() if exc.orig is not None else str(exc).lower()
+    orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
+    text = str(orig).lower()
     if "database is locked" in text or "database table is locked" in text:
         return DatabaseLocked(
             f"could not {action}: the SQLite database stayed locked by another writer "
             f"longer than busy_timeout; nothing was written. Retry, raise busy_timeout_ms, "
             f"or move many concurrent workers to PostgreSQL."
         )
+    invalidated = isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
     if (
-        exc.connection_invalidated
+        invalidated
         or isinstance(exc, sa_exc.InterfaceError)
+        or type(orig).__name__ == "InterfaceError"
         or any(
             s in text
             for s in (
@@ -140,13 +197,13 @@ def classify(exc: sa_exc.DBAPIError, action: str) -> StoreError:
         )
     ):
         return DatabaseUnavailable(
-            f"could not {action}: the database is unreachable ({exc.orig}); nothing was "
+            f"could not {action}: the database is unreachable ({orig}); nothing was "
             f"written. Check that the server is running and the URL is right, then retry."
         )
     if "disk i/o error" in text or "disk is full" in text or "readonly" in text:
         return StoreError(
-            f"could not {action}: the database reported an I/O error ({exc.orig}); the "
+            f"could not {action}: the database reported an I/O error ({orig}); the "
             f"transaction was rolled back. Stop, fix the disk, and restart: the store "
             f"recovers from what was committed."
         )
-    return StoreError(f"could not {action}: {exc.orig}")
+    return StoreError(f"could not {action}: {orig}")

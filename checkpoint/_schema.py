@@ -56,7 +56,9 @@ runs = Table(
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
 )
-runs_by_status = Index("oo_runs_status", runs.c.status, runs.c.updated_at)
+# Status only: updated_at changes on every checkpoint, and indexing it would add a page
+# write to every step's commit.
+runs_by_status = Index("oo_runs_status", runs.c.status)
 
 checkpoints = Table(
     "oo_checkpoints",
@@ -127,6 +129,12 @@ CHECKPOINT_SCHEMA_VERSION = CHECKPOINT_MIGRATIONS[-1].version
 
 
 def _version_table_exists(conn: Connection) -> bool:
+    if conn.dialect.name == "sqlite":
+        q = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'onceonly_schema'"
+        return conn.exec_driver_sql(q).first() is not None
+    if conn.dialect.name == "postgresql":
+        q = "SELECT to_regclass('onceonly_schema') IS NOT NULL"
+        return bool(conn.exec_driver_sql(q).scalar())
     return inspect(conn).has_table(schema_versions.name)
 
 

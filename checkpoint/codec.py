@@ -73,6 +73,7 @@ class Codec:
         self._strict = strict
         self._by_type: dict[type[Any], str] = {}
         self._by_name: dict[str, type[Any]] = {}
+        self._decoder = json.JSONDecoder(object_hook=self._hook)
 
     # -- registry ---------------------------------------------------------------------
     def register(self, cls: type[Any], *, name: str | None = None) -> type[Any]:
@@ -184,7 +185,8 @@ class Codec:
             UnknownCodecTag: A tag (or dataclass name) is not known to this codec.
         """
         try:
-            return json.loads(data, object_hook=self._hook)
+            text = data.decode("utf-8") if isinstance(data, bytes | bytearray) else data
+            return self._decoder.decode(text)
         except CorruptRecord:
             raise
         except (ValueError, TypeError, RecursionError) as exc:

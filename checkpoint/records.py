@@ -158,7 +158,7 @@ class KeyframePolicy:
     """
 
     max_deltas: int = 256
-    replay_ratio: float = 1.0
+    replay_ratio: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_deltas < 0:

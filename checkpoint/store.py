@@ -12,14 +12,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from sqlalchemy import and_, bindparam, delete, exists, or_, select, text, update
+from sqlalchemy import and_, delete, exists, or_, select, text, update
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import postgresql as pg_dialect
-from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 
 from . import _delta, _schema
-from ._engine import READ_ONLY, configure, make_engine, translate, verify_durability
+from ._engine import (
+    DRIVER_ERRORS,
+    READ_ONLY,
+    configure,
+    is_integrity_error,
+    make_engine,
+    open_checks,
+    translate,
+)
 from .codec import Codec
 from .errors import (
     AsyncWriteError,
@@ -165,21 +171,8 @@ class Store:
         self._async_error: BaseException | None = None
         self._writer: threading.Thread | None = None
         self._closed = False
-        verify_durability(engine)
         _check_schema(engine, create=create)
-        insert = pg_dialect.insert if self._dialect == "postgresql" else sqlite_dialect.insert
-        self._ins_blob = insert(_schema.blobs).on_conflict_do_nothing()
-        self._ins_ref = insert(_schema.blob_refs).on_conflict_do_nothing()
-        self._ins_ckpt = _schema.checkpoints.insert()
-        r = _schema.runs
-        self._advance = (
-            update(r)
-            .where(r.c.run_id == bindparam("b_run_id"))
-            .where(r.c.head_seq == bindparam("b_prev"))
-        )
-        self._advance_first = (
-            update(r).where(r.c.run_id == bindparam("b_run_id")).where(r.c.head_seq.is_(None))
-        )
+        self._sql = _SQL(self._dialect)
         if self.durability is Durability.ASYNC:
             self._writer = threading.Thread(
                 target=self._write_loop, name="onceonly-checkpoint-writer", daemon=True
@@ -452,6 +445,7 @@ class Store:
         status: RunStatus | str | None = None,
         source: Source | str = Source.STEP,
         schema_version: int | None = None,
+        handoff: Handoff | None = None,
     ) -> CheckpointInfo:
         """Checkpoint the run's whole state; only what changed since the parent is stored.
 
@@ -466,6 +460,7 @@ class Store:
             status: The run's new status, advanced atomically with the checkpoint.
             source: Who wrote it.
             schema_version: The state-schema version (default: the run's).
+            handoff: The run's new handoff note, written atomically with the checkpoint.
 
         Returns:
             The new checkpoint's metadata (durable on return in ``sync`` mode).
@@ -479,7 +474,7 @@ class Store:
             head = self._head(run_id)
             ops = _delta.diff(head.state if head else {}, state)
             return self._commit_ops(
-                run_id, head, ops, step, next_step, status, source, schema_version
+                run_id, head, ops, step, next_step, status, source, schema_version, handoff
             )
 
     def update(
@@ -495,6 +490,7 @@ class Store:
         status: RunStatus | str | None = None,
         source: Source | str = Source.STEP,
         schema_version: int | None = None,
+        handoff: Handoff | None = None,
     ) -> CheckpointInfo:
         """Checkpoint explicit changes: O(changed) work, no comparison with the parent.
 
@@ -521,14 +517,15 @@ class Store:
                     raise ConfigurationError("merge keys must be strings not starting with NUL")
                 ops[ch] = ("m", dict(kv), [])
             for ch, items in (append or {}).items():
-                if type(current.get(ch)) is not list:
+                if type(current.get(ch)) not in (list, _delta.ChunkedList):
                     raise ConfigurationError(f"cannot append to channel {ch!r}: not a list")
                 ops[ch] = ("a", list(items))
             for ch in delete:
                 ops[ch] = ("x",)
-            _delta.diff({}, dict.fromkeys(ops))  # validates channel names
+            for ch in ops:
+                _delta.check_channel(ch)
             return self._commit_ops(
-                run_id, head, ops, step, next_step, status, source, schema_version
+                run_id, head, ops, step, next_step, status, source, schema_version, handoff
             )
 
     def _commit_ops(
@@ -541,9 +538,12 @@ class Store:
         status: RunStatus | str | None,
         source: Source | str,
         schema_version: int | None,
+        handoff: Handoff | None,
     ) -> CheckpointInfo:
         src = Source(source).value
         run_values: dict[str, Any] = {}
+        if handoff is not None:
+            run_values["handoff"] = self._encode_handoff(handoff)
         if next_step is not _UNSET:
             run_values["next_step"] = next_step
         if status is not None:
@@ -619,46 +619,45 @@ class Store:
         return pending.info()
 
     def _write_batch(self, batch: Sequence[_Pending]) -> None:
-        """Write checkpoints in one transaction (one durable commit)."""
-        with translate("write checkpoints"), self.engine.begin() as conn:
-            for p in batch:
-                self._write_one(conn, p)
+        """Write checkpoints in one transaction (one durable commit).
 
-    def _write_one(self, conn: Connection, p: _Pending) -> None:
-        if p.blobs:
-            conn.execute(
-                self._ins_blob,
-                [{"hash": h, "size": len(d), "data": d} for h, d in p.blobs.items()],
-            )
-        if p.refs:
-            conn.execute(self._ins_ref, [{"owner": p.run_id, "hash": h} for h in p.refs])
-        try:
-            conn.execute(
-                self._ins_ckpt,
-                {
-                    "run_id": p.run_id,
-                    "seq": p.seq,
-                    "kind": p.kind,
-                    "keyframe_seq": p.keyframe_seq,
-                    "step": p.step,
-                    "source": p.source,
-                    "schema_version": p.schema_version,
-                    "created_at": p.created_at,
-                    "body": p.body,
-                    "digest": p.digest,
-                },
-            )
-        except sa_exc.IntegrityError as exc:
-            raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
-        values = dict(p.run_values, head_seq=p.seq, updated_at=p.created_at)
-        if p.seq == 0:
-            res = conn.execute(self._advance_first.values(**values), {"b_run_id": p.run_id})
-        else:
-            res = conn.execute(
-                self._advance.values(**values), {"b_run_id": p.run_id, "b_prev": p.seq - 1}
-            )
-        if res.rowcount != 1:
-            raise ConcurrentWrite(p.run_id, p.seq - 1)
+        The hot path uses the pooled DBAPI connection with fixed SQL: one statement per
+        row, no ORM, no per-call statement compilation.
+        """
+        sql = self._sql
+        with translate("write checkpoints"), _RawTxn(self.engine, sql, write=True) as cur:
+            for p in batch:
+                if p.blobs:
+                    cur.executemany(sql.ins_blob, [(h, len(d), d) for h, d in p.blobs.items()])
+                if p.refs:
+                    cur.executemany(sql.ins_ref, [(p.run_id, h) for h in p.refs])
+                try:
+                    cur.execute(
+                        sql.ins_ckpt,
+                        (
+                            p.run_id,
+                            p.seq,
+                            p.kind,
+                            p.keyframe_seq,
+                            p.step,
+                            p.source,
+                            p.schema_version,
+                            p.created_at,
+                            p.body,
+                            p.digest,
+                        ),
+                    )
+                except DRIVER_ERRORS as exc:
+                    if is_integrity_error(exc):
+                        raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
+                    raise
+                cols = sorted(p.run_values)
+                params = [p.seq, p.created_at, *(p.run_values[c] for c in cols), p.run_id]
+                if p.seq > 0:
+                    params.append(p.seq - 1)
+                cur.execute(sql.advance(tuple(cols), first=p.seq == 0), params)
+                if cur.rowcount != 1:
+                    raise ConcurrentWrite(p.run_id, p.seq - 1)
 
     def _write_loop(self) -> None:
         while True:
@@ -706,7 +705,7 @@ class Store:
         if self.durability is not Durability.SYNC:
             self._flush_locked_pending()
         try:
-            _, head = self._load(run_id, None)
+            _, head = self._load(run_id, None, lazy=True)
         except CheckpointNotFound:
             return None
         self._remember(run_id, head)
@@ -728,12 +727,17 @@ class Store:
         run_id: str,
         seq: int | None = None,
         *,
+        lazy: bool = False,
         migrations: StateMigrations | None = None,
     ) -> Snapshot:
         """Load the latest checkpoint (or checkpoint ``seq``) of a run.
 
         Reads one keyframe and the deltas after it: the cost does not grow with the
         length of the run's history. Every row and blob read is integrity-checked.
+
+        With ``lazy=True``, long list channels (message histories) come back as
+        :class:`~checkpoint.ChunkedList`: their sealed chunks are read on first access, so
+        resuming costs the same whatever the length of the history.
 
         When ``migrations`` (or the store's default) is given and the checkpoint's state
         is older, the upgrades run; loading the latest checkpoint then records the result
@@ -748,14 +752,13 @@ class Store:
         with self._lock:
             self._check_open()
             self.flush()
-            snap, head = self._load(run_id, seq)
-            if seq is None or seq == head.seq:
-                latest = self._load_head_seq(run_id)
-                if latest == head.seq:
-                    self._remember(run_id, head)
+            snap, head = self._load(run_id, seq, lazy=lazy)
+            if seq is None:
+                self._remember(run_id, head)
             mig = migrations or self.migrations
             if mig is None or snap.info.schema_version == mig.current:
                 return snap
+            snap = Snapshot({k: _delta.plain(v) for k, v in snap.state.items()}, snap.info)
             upgraded = _upgrade(run_id, snap, mig)
             if seq is not None and seq != self._load_head_seq(run_id):
                 return Snapshot(upgraded, snap.info)
@@ -780,52 +783,28 @@ class Store:
     def _reader(self) -> Any:
         return self.engine.connect().execution_options(**{READ_ONLY: True})
 
-    def _load(self, run_id: str, seq: int | None) -> tuple[Snapshot, _Head]:
-        c = _schema.checkpoints
-        r = _schema.runs
-        with translate("load a checkpoint"), self._reader() as conn, conn.begin():
+    def _load(self, run_id: str, seq: int | None, *, lazy: bool) -> tuple[Snapshot, _Head]:
+        sql = self._sql
+        with translate("load a checkpoint"), _RawTxn(self.engine, sql, write=False) as cur:
             if seq is None:
-                run_row = conn.execute(select(r.c.head_seq).where(r.c.run_id == run_id)).first()
-                if run_row is None:
-                    raise RunNotFound(run_id)
-                if run_row[0] is None:
-                    raise CheckpointNotFound(run_id, None)
-                target = int(run_row[0])
+                cur.execute(sql.head_rows, (run_id, run_id, run_id, run_id))
             else:
-                target = seq
-            kf = (
-                select(c.c.keyframe_seq)
-                .where(c.c.run_id == run_id, c.c.seq == target)
-                .scalar_subquery()
-            )
-            rows = conn.execute(
-                select(
-                    c.c.seq,
-                    c.c.kind,
-                    c.c.keyframe_seq,
-                    c.c.step,
-                    c.c.source,
-                    c.c.schema_version,
-                    c.c.created_at,
-                    c.c.body,
-                    c.c.digest,
-                )
-                .where(c.c.run_id == run_id, c.c.seq >= kf, c.c.seq <= target)
-                .order_by(c.c.seq)
-            ).all()
-            if not rows or rows[-1].seq != target:
-                if seq is not None and not rows:
-                    exists_run = conn.execute(select(r.c.run_id).where(r.c.run_id == run_id))
-                    if exists_run.first() is None:
-                        raise RunNotFound(run_id)
-                raise CheckpointNotFound(run_id, target)
-            bodies = []
+                cur.execute(sql.seq_rows, (run_id, run_id, seq, seq))
+            rows = [_Row(*r) for r in cur.fetchall()]
+            if not rows:
+                cur.execute(sql.run_head, (run_id,))
+                found = cur.fetchone()
+                if found is None:
+                    raise RunNotFound(run_id)
+                raise CheckpointNotFound(run_id, seq)
+            target = rows[-1].seq
+            if seq is not None and target != seq:
+                raise CheckpointNotFound(run_id, seq)
+            bodies = self._verify_rows(run_id, rows)
             wanted: set[bytes] = set()
-            for row in rows:
-                body = self._verify_row(run_id, row)
-                bodies.append(body)
-                wanted |= _delta.blob_refs_of(body)
-            blob_values, blob_sizes = self._read_blobs(conn, run_id, target, wanted)
+            for body in bodies:
+                wanted |= _delta.blob_refs_of(body, chunks=not lazy)
+            blob_values, blob_sizes = self._read_blobs(cur, run_id, target, wanted)
         first = rows[0]
         if first.kind != _KEYFRAME or first.seq != rows[-1].keyframe_seq:
             raise CorruptRecord(
@@ -836,7 +815,8 @@ class Store:
             raise CorruptRecord("a delta in the chain is missing", run_id=run_id, seq=target)
         lists: dict[str, _delta.ListChunks] = {}
         try:
-            state = _delta.materialise_keyframe(bodies[0], blob_values, lists)
+            fetch = self._chunk_fetcher(run_id) if lazy else None
+            state = _delta.materialise_keyframe(bodies[0], blob_values, lists, fetch)
             delta_bytes = 0
             for row, body in zip(rows[1:], bodies[1:], strict=True):
                 ops = _delta.resolve_delta(body, blob_values)
@@ -875,41 +855,64 @@ class Store:
         )
         return Snapshot(_delta.private_copy(state), info), head
 
-    def _verify_row(self, run_id: str, row: Any) -> Any:
-        try:
-            raw = _delta.unpack(row.body)
-        except CorruptRecord as exc:
-            raise CorruptRecord(exc.detail, run_id=run_id, seq=int(row.seq)) from exc
-        digest = _delta.row_digest(
-            run_id, int(row.seq), int(row.kind), int(row.keyframe_seq), int(row.schema_version), raw
-        )
-        if digest != bytes(row.digest):
-            raise CorruptRecord(
-                "checkpoint row does not match its digest (edited, truncated or moved)",
-                run_id=run_id,
-                seq=int(row.seq),
+    def _verify_rows(self, run_id: str, rows: Sequence[_Row]) -> list[Any]:
+        """Check every row against its digest, then decode all bodies in one pass."""
+        raws = []
+        for row in rows:
+            try:
+                raw = _delta.unpack(row.body)
+            except CorruptRecord as exc:
+                raise CorruptRecord(exc.detail, run_id=run_id, seq=row.seq) from exc
+            digest = _delta.row_digest(
+                run_id, row.seq, row.kind, row.keyframe_seq, row.schema_version, raw
             )
+            if digest != bytes(row.digest):
+                raise CorruptRecord(
+                    "checkpoint row does not match its digest (edited, truncated or moved)",
+                    run_id=run_id,
+                    seq=row.seq,
+                )
+            raws.append(raw)
         try:
-            body = self.codec.decode(raw)
-        except CorruptRecord as exc:
-            raise type(exc)(exc.detail, run_id=run_id, seq=int(row.seq)) from exc
-        if not isinstance(body, dict) or not (("k" in body) ^ ("d" in body)):
-            raise CorruptRecord("checkpoint body has no state", run_id=run_id, seq=int(row.seq))
-        return body
+            bodies = self.codec.decode(b"[" + b",".join(raws) + b"]")
+        except CorruptRecord:
+            bodies = []
+            for row, raw in zip(rows, raws, strict=True):  # find the culprit
+                try:
+                    bodies.append(self.codec.decode(raw))
+                except CorruptRecord as exc:
+                    raise type(exc)(exc.detail, run_id=run_id, seq=row.seq) from exc
+        for row, body in zip(rows, bodies, strict=True):
+            if not isinstance(body, dict) or not (("k" in body) ^ ("d" in body)):
+                raise CorruptRecord("checkpoint body has no state", run_id=run_id, seq=row.seq)
+        return list(bodies)
+
+    def _chunk_fetcher(self, run_id: str) -> _delta.ChunkFetcher:
+        def fetch(hexes: Sequence[str]) -> dict[str, list[Any]]:
+            if self._closed:
+                raise ConfigurationError(
+                    "the store this list was loaded from is closed; read lazily loaded "
+                    "lists before closing it, or load with lazy=False"
+                )
+            wanted = {bytes.fromhex(h) for h in hexes}
+            with translate("read list chunks"), _RawTxn(self.engine, self._sql, write=False) as cur:
+                values, _ = self._read_blobs(cur, run_id, None, wanted)
+            return {h.hex(): v for h, v in values.items()}
+
+        return fetch
 
     def _read_blobs(
-        self, conn: Connection, run_id: str, seq: int, wanted: set[bytes]
+        self, cur: Any, run_id: str, seq: int | None, wanted: set[bytes]
     ) -> tuple[dict[bytes, Any], dict[bytes, int]]:
         values: dict[bytes, Any] = {}
         sizes: dict[bytes, int] = {}
         if not wanted:
             return values, sizes
-        b = _schema.blobs
         want = list(wanted)
         for i in range(0, len(want), 500):
-            for h, data in conn.execute(
-                select(b.c.hash, b.c.data).where(b.c.hash.in_(want[i : i + 500]))
-            ):
+            part = want[i : i + 500]
+            cur.execute(self._sql.blobs_in(len(part)), part)
+            for h, data in cur.fetchall():
                 key = bytes(h)
                 values[key] = self._verify_blob(run_id, seq, key, bytes(data))
                 sizes[key] = len(data)
@@ -923,7 +926,7 @@ class Store:
             )
         return values, sizes
 
-    def _verify_blob(self, run_id: str, seq: int, h: bytes, stored: bytes) -> Any:
+    def _verify_blob(self, run_id: str, seq: int | None, h: bytes, stored: bytes) -> Any:
         try:
             raw = _delta.unpack(stored)
         except CorruptRecord as exc:
@@ -1028,7 +1031,7 @@ class Store:
     def _archive(self, run_id: str, path: str) -> None:
         run = self.get_run(run_id)
         try:
-            snap: Snapshot | None = self._load(run_id, None)[0]
+            snap: Snapshot | None = self._load(run_id, None, lazy=False)[0]
         except CheckpointNotFound:
             snap = None
         record = {
@@ -1134,7 +1137,7 @@ def _copy_ops(ops: Mapping[str, _delta.Op]) -> dict[str, _delta.Op]:
     out: dict[str, _delta.Op] = {}
     for ch, op in ops.items():
         if op[0] == "s":
-            out[ch] = ("s", _delta.private_copy(op[1]))
+            out[ch] = ("s", _delta.private_copy(_delta.plain(op[1])))
         elif op[0] == "m":
             out[ch] = ("m", _delta.private_copy(op[1]), list(op[2]))
         elif op[0] == "a":
@@ -1176,9 +1179,7 @@ def _upgrade(run_id: str, snap: Snapshot, mig: StateMigrations) -> dict[str, Any
 
 
 def _check_schema(engine: Engine, *, create: bool) -> None:
-    with translate("open the store"), engine.connect() as conn:
-        have = _schema.current_version(conn, "checkpoint")
-        conn.rollback()
+    have = open_checks(engine, "checkpoint")
     want = _schema.CHECKPOINT_SCHEMA_VERSION
     if have == want:
         return
@@ -1221,3 +1222,122 @@ def migrate(url_or_engine: str | Engine, *, sql: bool = False) -> str:
     finally:
         if isinstance(url_or_engine, str):
             engine.dispose()
+
+
+@dataclass(frozen=True)
+class _Row:
+    seq: int
+    kind: int
+    keyframe_seq: int
+    step: str
+    source: str
+    schema_version: int
+    created_at: float
+    body: bytes
+    digest: bytes
+
+
+_CKPT_COLS = "seq, kind, keyframe_seq, step, source, schema_version, created_at, body, digest"
+
+
+class _SQL:
+    """Fixed SQL for the hot paths, in the driver's parameter style."""
+
+    def __init__(self, dialect: str) -> None:
+        self.dialect = dialect
+        q = "?" if dialect == "sqlite" else "%s"
+        self.q = q
+        self.ins_blob = (
+            f"INSERT INTO oo_blobs (hash, size, data) VALUES ({q}, {q}, {q}) ON CONFLICT DO NOTHING"
+        )
+        self.ins_ref = (
+            f"INSERT INTO oo_blob_refs (owner, hash) VALUES ({q}, {q}) ON CONFLICT DO NOTHING"
+        )
+        self.ins_ckpt = (
+            "INSERT INTO oo_checkpoints (run_id, seq, kind, keyframe_seq, step, source, "
+            "schema_version, created_at, body, digest) VALUES (" + ", ".join([q] * 10) + ")"
+        )
+        head = f"(SELECT head_seq FROM oo_runs WHERE run_id = {q})"
+        self.head_rows = (
+            f"SELECT {_CKPT_COLS} FROM oo_checkpoints WHERE run_id = {q} AND seq >= "
+            f"(SELECT keyframe_seq FROM oo_checkpoints WHERE run_id = {q} AND seq = {head}) "
+            f"AND seq <= {head} ORDER BY seq"
+        )
+        self.seq_rows = (
+            f"SELECT {_CKPT_COLS} FROM oo_checkpoints WHERE run_id = {q} AND seq >= "
+            f"(SELECT keyframe_seq FROM oo_checkpoints WHERE run_id = {q} AND seq = {q}) "
+            f"AND seq <= {q} ORDER BY seq"
+        )
+        self.run_head = f"SELECT head_seq FROM oo_runs WHERE run_id = {q}"
+        self._advance: dict[tuple[tuple[str, ...], bool], str] = {}
+        self._blobs_in: dict[int, str] = {}
+
+    def advance(self, cols: tuple[str, ...], *, first: bool) -> str:
+        key = (cols, first)
+        sql = self._advance.get(key)
+        if sql is None:
+            q = self.q
+            sets = ", ".join(
+                [f"head_seq = {q}", f"updated_at = {q}"] + [f"{c} = {q}" for c in cols]
+            )
+            cond = "head_seq IS NULL" if first else f"head_seq = {q}"
+            sql = f"UPDATE oo_runs SET {sets} WHERE run_id = {q} AND {cond}"
+            self._advance[key] = sql
+        return sql
+
+    def blobs_in(self, n: int) -> str:
+        sql = self._blobs_in.get(n)
+        if sql is None:
+            marks = ", ".join([self.q] * n)
+            sql = f"SELECT hash, data FROM oo_blobs WHERE hash IN ({marks})"
+            self._blobs_in[n] = sql
+        return sql
+
+
+class _RawTxn:
+    """A transaction on a pooled DBAPI connection (hot paths only).
+
+    SQLite writers take the lock up front (``BEGIN IMMEDIATE``) so a transaction never
+    fails half-way on a lock upgrade; readers use a deferred ``BEGIN`` for one snapshot.
+    """
+
+    def __init__(self, engine: Engine, sql: _SQL, *, write: bool) -> None:
+        self._engine = engine
+        self._sqlite = sql.dialect == "sqlite"
+        self._write = write
+        self._conn: Any = None
+        self._cur: Any = None
+
+    def __enter__(self) -> Any:
+        self._conn = self._engine.raw_connection()
+        try:
+            self._cur = self._conn.cursor()
+            if self._sqlite:
+                self._cur.execute("BEGIN IMMEDIATE" if self._write else "BEGIN")
+        except BaseException:
+            self._conn.close()
+            raise
+        return self._cur
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        conn = self._conn
+        try:
+            if exc_type is None:
+                if self._sqlite:
+                    self._cur.execute("COMMIT" if self._write else "ROLLBACK")
+                elif self._write:
+                    conn.commit()
+                else:
+                    conn.rollback()
+            else:
+                try:
+                    if self._sqlite:
+                        if conn.driver_connection.in_transaction:
+                            self._cur.execute("ROLLBACK")
+                    else:
+                        conn.rollback()
+                except DRIVER_ERRORS:
+                    conn.invalidate()
+        finally:
+            self._cur.close()
+            conn.close()
