@@ -5,6 +5,7 @@ The bottom layer of onceonly; it imports nothing from ``ledger``, ``adapters`` o
 """
 
 from ._delta import ChunkedList
+from ._schema import Migration, apply_migrations, pending_sql
 from .codec import Codec
 from .errors import (
     AsyncWriteError,
@@ -57,6 +58,7 @@ __all__ = [
     "Handoff",
     "KeyframePolicy",
     "LeaseHeld",
+    "Migration",
     "NotFound",
     "OnceOnlyError",
     "RetentionPolicy",
@@ -74,5 +76,7 @@ __all__ = [
     "StoreError",
     "UnknownCodecTag",
     "WeakDurabilityError",
+    "apply_migrations",
     "migrate",
+    "pending_sql",
 ]

@@ -8,9 +8,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from sqlalchemy import and_, delete, exists, or_, select, text, update
 from sqlalchemy import exc as sa_exc
@@ -57,6 +57,7 @@ from .records import (
 __all__ = ["Store", "migrate"]
 
 _UNSET: Final = object()
+T = TypeVar("T")
 _KEYFRAME, _DELTA = 0, 1
 _HEAD_CACHE = 1024
 
@@ -107,8 +108,13 @@ class _Pending:
 
 
 class _Barrier:
-    def __init__(self) -> None:
+    """A write barrier, optionally carrying work to run in the same transaction."""
+
+    def __init__(self, fn: Callable[[Any], Any] | None = None) -> None:
         self.done = threading.Event()
+        self.fn = fn
+        self.result: Any = None
+        self.error: BaseException | None = None
 
 
 class Store:
@@ -275,6 +281,64 @@ class Store:
                         self._heads.clear()
                         raise
         self._check_open()
+
+    # -- transactions for upper layers --------------------------------------------------
+    @property
+    def dialect(self) -> str:
+        """``"sqlite"`` or ``"postgresql"``."""
+        return self._dialect
+
+    @property
+    def param(self) -> str:
+        """The DBAPI parameter marker of this database (``?`` or ``%s``)."""
+        return self._sql.q
+
+    def transact(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(cursor)`` in a write transaction behind the write barrier.
+
+        Every checkpoint saved before this call is committed in the same transaction as
+        ``fn``'s statements (``exit`` mode), or in the same group commit (``async`` mode:
+        concurrent callers share one durable commit), or before it (``sync``). When this
+        returns, both are durable. ``fn`` runs inside a savepoint: if it raises, its own
+        statements are rolled back, the checkpoints still commit, and the error is
+        re-raised here. Upper layers (the effects ledger) write through this method.
+
+        Args:
+            fn: Receives a DBAPI cursor (parameter marker :attr:`param`).
+
+        Returns:
+            What ``fn`` returned.
+
+        Raises:
+            StoreError: The transaction could not be committed (nothing of it is durable).
+        """
+        self._check_open()
+        barrier = _Barrier(fn)
+        if self.durability is Durability.ASYNC and self._writer is not None:
+            self._queue.put(barrier)
+            barrier.done.wait()
+            if barrier.error is None and self._async_error is not None:
+                self._check_open()
+        else:
+            with self._lock:
+                pending: list[_Pending] = []
+                if self.durability is Durability.EXIT:
+                    pending, self._pending = self._pending, []
+                try:
+                    self._write_batch(pending, [barrier])
+                except BaseException:
+                    if pending:
+                        self._heads.clear()
+                    raise
+        if barrier.error is not None:
+            raise barrier.error
+        return barrier.result  # type: ignore[no-any-return]
+
+    def read(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(cursor)`` in a read-only transaction (one snapshot on SQLite)."""
+        self._check_open()
+        with translate("read"), _RawTxn(self.engine, self._sql, write=False) as cur:
+            return fn(cur)
 
     # -- runs --------------------------------------------------------------------------
     def create_run(
@@ -618,8 +682,10 @@ class Store:
             self._pending.append(pending)
         return pending.info()
 
-    def _write_batch(self, batch: Sequence[_Pending]) -> None:
-        """Write checkpoints in one transaction (one durable commit).
+    def _write_batch(
+        self, batch: Sequence[_Pending], participants: Sequence[_Barrier] = ()
+    ) -> None:
+        """Write checkpoints, then run participants' work, in one durable commit.
 
         The hot path uses the pooled DBAPI connection with fixed SQL: one statement per
         row, no ORM, no per-call statement compilation.
@@ -658,6 +724,16 @@ class Store:
                 cur.execute(sql.advance(tuple(cols), first=p.seq == 0), params)
                 if cur.rowcount != 1:
                     raise ConcurrentWrite(p.run_id, p.seq - 1)
+            for i, part in enumerate(participants):
+                if part.fn is None:
+                    continue
+                cur.execute(f"SAVEPOINT oo_p{i}")
+                try:
+                    part.result = part.fn(cur)
+                except Exception as exc:  # noqa: BLE001  (handed to that participant)
+                    part.error = exc
+                    cur.execute(f"ROLLBACK TO SAVEPOINT oo_p{i}")
+                cur.execute(f"RELEASE SAVEPOINT oo_p{i}")
 
     def _write_loop(self) -> None:
         while True:
@@ -681,14 +757,20 @@ class Store:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            if batch and self._async_error is None:
+            work = [b for b in barriers if b.fn is not None]
+            if (batch or work) and self._async_error is None:
                 try:
-                    self._write_batch(batch)
+                    self._write_batch(batch, work)
                 except BaseException as exc:  # noqa: BLE001  (surfaced on the next call)
-                    self._async_error = exc
-                    with self._lock:
-                        self._heads.clear()
-            elif batch:
+                    for b in work:
+                        b.error = exc
+                    if batch:
+                        self._async_error = exc
+                        with self._lock:
+                            self._heads.clear()
+            elif batch or work:
+                for b in work:
+                    b.error = AsyncWriteError("an earlier background write failed")
                 with self._lock:
                     self._heads.clear()
             for b in barriers:
