@@ -40,7 +40,7 @@ from .records import (
     Source,
     StateMigrations,
 )
-from .store import Store, migrate
+from .store import Store, ensure_schema, migrate
 
 __all__ = [
     "AsyncWriteError",
@@ -77,6 +77,7 @@ __all__ = [
     "UnknownCodecTag",
     "WeakDurabilityError",
     "apply_migrations",
+    "ensure_schema",
     "migrate",
     "pending_sql",
 ]

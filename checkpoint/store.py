@@ -54,7 +54,7 @@ from .records import (
     StateMigrations,
 )
 
-__all__ = ["Store", "migrate"]
+__all__ = ["Store", "ensure_schema", "migrate"]
 
 _UNSET: Final = object()
 T = TypeVar("T")
@@ -1063,6 +1063,46 @@ class Store:
         infos.sort(key=lambda i: i.seq)
         return infos
 
+    def verify_integrity(self) -> tuple[int, list[str]]:
+        """Check every stored blob against its hash and every checkpoint row against its
+        digest, without loading any state.
+
+        Returns:
+            (records checked, one line per problem found).
+        """
+        self.flush()
+        problems: list[str] = []
+        checked = 0
+
+        def scan(cur: Any) -> None:
+            nonlocal checked
+            cur.execute("SELECT hash, data FROM oo_blobs")
+            for h, data in cur.fetchall():
+                checked += 1
+                try:
+                    raw = _delta.unpack(bytes(data))
+                except CorruptRecord as exc:
+                    problems.append(f"blob {bytes(h).hex()}: {exc.detail}")
+                    continue
+                if _delta.blob_hash(raw) != bytes(h):
+                    problems.append(f"blob {bytes(h).hex()}: content does not match its hash")
+            cur.execute(
+                "SELECT run_id, seq, kind, keyframe_seq, schema_version, body, digest "
+                "FROM oo_checkpoints"
+            )
+            for run_id, seq, kind, kf, ver, body, digest in cur.fetchall():
+                checked += 1
+                try:
+                    raw = _delta.unpack(bytes(body))
+                except CorruptRecord as exc:
+                    problems.append(f"run {run_id!r} checkpoint {seq}: {exc.detail}")
+                    continue
+                if _delta.row_digest(run_id, seq, kind, kf, ver, raw) != bytes(digest):
+                    problems.append(f"run {run_id!r} checkpoint {seq}: row fails its digest")
+
+        self.read(scan)
+        return checked, problems
+
     # -- retention ---------------------------------------------------------------------
     def apply_retention(
         self, policy: RetentionPolicy, *, now: float | None = None
@@ -1261,17 +1301,28 @@ def _upgrade(run_id: str, snap: Snapshot, mig: StateMigrations) -> dict[str, Any
 
 
 def _check_schema(engine: Engine, *, create: bool) -> None:
-    have = open_checks(engine, "checkpoint")
-    want = _schema.CHECKPOINT_SCHEMA_VERSION
+    ensure_schema(engine, "checkpoint", _schema.CHECKPOINT_MIGRATIONS, create=create)
+
+
+def ensure_schema(
+    engine: Engine, component: str, migrations: Sequence[_schema.Migration], *, create: bool
+) -> None:
+    """Check a component's schema version; create it in an empty database if asked.
+
+    Raises:
+        SchemaVersionError: Older (run ``onceonly migrate``) or newer (upgrade onceonly).
+    """
+    have = open_checks(engine, component)
+    want = migrations[-1].version
     if have == want:
         return
     if have > want:
-        raise _schema.newer_schema_error("checkpoint", have, want)
+        raise _schema.newer_schema_error(component, have, want)
     if have == 0 and create:
         with translate("create the schema"):
-            _schema.apply_migrations(engine, "checkpoint", _schema.CHECKPOINT_MIGRATIONS)
+            _schema.apply_migrations(engine, component, migrations)
         return
-    raise _schema.older_schema_error("checkpoint", have, want)
+    raise _schema.older_schema_error(component, have, want)
 
 
 def migrate(url_or_engine: str | Engine, *, sql: bool = False) -> str:

@@ -1,0 +1,110 @@
+"""Tables of the effects ledger (component ``ledger`` in ``onceonly_schema``)."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Column,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+)
+from sqlalchemy.schema import CreateIndex, CreateTable
+
+from checkpoint import Migration
+
+metadata = MetaData()
+
+effects = Table(
+    "oo_effects",
+    metadata,
+    Column("key_id", String(64), primary_key=True),
+    Column("tenant", String(200), nullable=False),
+    Column("run_id", String(200), nullable=True),
+    Column("step_id", String(200), nullable=True),
+    Column("effect", String(200), nullable=False),
+    Column("fingerprint", String(64), nullable=False),
+    Column("provider_key", String(80), nullable=False),
+    Column("provider_class", String(1), nullable=False),
+    Column("window_s", Float, nullable=True),
+    Column("status", String(16), nullable=False),
+    Column("epoch", Integer, nullable=False),
+    Column("lease_owner", String(200), nullable=True),
+    Column("lease_expires_at", Float, nullable=True),
+    Column("attempts", Integer, nullable=False),
+    Column("outcome_class", String(16), nullable=True),
+    Column("subject", String(200), nullable=False),
+    Column("secret_id", String(64), nullable=False),
+    Column("chain", String(220), nullable=False),
+    Column("args_ct", LargeBinary, nullable=True),
+    Column("result_ct", LargeBinary, nullable=True),
+    Column("error_ct", LargeBinary, nullable=True),
+    Column("first_sent_at", Float, nullable=True),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+effects_by_run = Index("oo_effects_run", effects.c.run_id)
+effects_by_status = Index("oo_effects_status", effects.c.status)
+
+audit = Table(
+    "oo_audit",
+    metadata,
+    Column("chain", String(220), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("key_id", String(64), nullable=False),
+    Column("event", String(24), nullable=False),
+    Column("epoch", Integer, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("actor", String(200), nullable=False),
+    Column("detail", Text, nullable=False),
+    Column("row_digest", LargeBinary, nullable=False),
+    Column("at", Float, nullable=False),
+    Column("prev_hash", LargeBinary, nullable=False),
+    Column("hash", LargeBinary, nullable=False),
+    PrimaryKeyConstraint("chain", "seq"),
+    sqlite_with_rowid=False,
+)
+audit_by_key = Index("oo_audit_key", audit.c.key_id)
+
+audit_heads = Table(
+    "oo_audit_heads",
+    metadata,
+    Column("chain", String(220), primary_key=True),
+    Column("seq", Integer, nullable=False),
+    Column("hash", LargeBinary, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+data_keys = Table(
+    "oo_data_keys",
+    metadata,
+    Column("subject", String(200), primary_key=True),
+    Column("secret_id", String(64), nullable=False),
+    Column("wrapped", LargeBinary, nullable=True),
+    Column("created_at", Float, nullable=False),
+    Column("erased_at", Float, nullable=True),
+)
+
+LEDGER_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "effects, hash-chained audit events per run, chain heads, wrapped data keys",
+        (
+            CreateTable(effects),
+            CreateIndex(effects_by_run),
+            CreateIndex(effects_by_status),
+            CreateTable(audit),
+            CreateIndex(audit_by_key),
+            CreateTable(audit_heads),
+            CreateTable(data_keys),
+        ),
+    ),
+)
+LEDGER_SCHEMA_VERSION = LEDGER_MIGRATIONS[-1].version
+
+COLUMNS: tuple[str, ...] = tuple(c.name for c in effects.columns)

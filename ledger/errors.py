@@ -1,0 +1,188 @@
+"""Errors raised by the effects ledger, extending the tree rooted in
+:class:`checkpoint.errors.OnceOnlyError`::
+
+    OnceOnlyError
+    └── LedgerError
+        ├── KeyReuseError        same key, different arguments: the run diverged
+        ├── LeaseLost            a stale worker's transition was refused (fencing)
+        ├── EffectInFlight       another worker holds a live claim on the key
+        ├── EffectInDoubt        the effect may or may not have happened: reconcile it
+        ├── EffectFailed         the effect failed definitely (recorded; replayed as such)
+        ├── PayloadErased        the effect's data key was erased; its payload is gone
+        ├── LedgerUnavailable    the ledger cannot be written: nothing is acted on
+        ├── UnknownEffect        no entry with this key id
+        └── InvalidTransition    the entry is not in a state that allows this change
+
+Every error carries the ``key_id`` it is about, where there is one, and says what to do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from checkpoint.errors import OnceOnlyError
+
+__all__ = [
+    "EffectFailed",
+    "EffectInDoubt",
+    "EffectInFlight",
+    "InvalidTransition",
+    "KeyReuseError",
+    "LeaseLost",
+    "LedgerError",
+    "LedgerUnavailable",
+    "PayloadErased",
+    "UnknownEffect",
+]
+
+
+class LedgerError(OnceOnlyError):
+    """Root of the ledger's errors."""
+
+    key_id: str | None = None
+
+
+class KeyReuseError(LedgerError):
+    """The key was recorded with other arguments: the run diverged; nothing was replayed.
+
+    Attributes:
+        key_id: The effect's key id.
+        effect: The effect name@version.
+    """
+
+    def __init__(self, key_id: str, effect: str) -> None:
+        self.key_id = key_id
+        self.effect = effect
+        super().__init__(
+            f"effect {effect} with key {key_id[:16]}… was recorded with different "
+            f"arguments: the run diverged from its recorded history (or two different calls "
+            f"share a key). Nothing was sent or replayed. Fix the key recipe so distinct calls "
+            f"get distinct keys, or resolve the run's divergence by hand."
+        )
+
+
+class LeaseLost(LedgerError):
+    """This worker's claim is stale: another worker or an operator moved the entry on.
+
+    Attributes:
+        key_id: The effect's key id.
+        epoch: The epoch this worker held.
+        current_epoch: The entry's epoch now.
+        status: The entry's status now.
+    """
+
+    def __init__(self, key_id: str, epoch: int, current_epoch: int, status: str) -> None:
+        self.key_id = key_id
+        self.epoch = epoch
+        self.current_epoch = current_epoch
+        self.status = status
+        super().__init__(
+            f"claim on {key_id[:16]}… at epoch {epoch} is stale (entry is {status} at epoch "
+            f"{current_epoch}); nothing was changed. Stop this attempt: the entry belongs to "
+            f"whoever moved it on."
+        )
+
+
+class EffectInFlight(LedgerError):
+    """Another worker holds a live claim on this key.
+
+    Attributes:
+        key_id: The effect's key id.
+        owner: The claim's owner.
+        expires_at: When its lease expires (UNIX seconds).
+    """
+
+    def __init__(self, key_id: str, owner: str, expires_at: float) -> None:
+        self.key_id = key_id
+        self.owner = owner
+        self.expires_at = expires_at
+        super().__init__(
+            f"effect {key_id[:16]}… is being performed by {owner!r} (lease until "
+            f"{expires_at:.3f}); wait for its outcome instead of acting"
+        )
+
+
+class EffectInDoubt(LedgerError):
+    """The effect may have happened: it is UNKNOWN or NEEDS_HUMAN, and must not be re-sent.
+
+    Attributes:
+        key_id: The effect's key id.
+        status: ``unknown`` or ``needs_human``.
+        provider_class: A, B or C.
+    """
+
+    def __init__(self, key_id: str, status: str, provider_class: str, detail: str = "") -> None:
+        self.key_id = key_id
+        self.status = status
+        self.provider_class = provider_class
+        todo = (
+            "an operator must check the provider and run `onceonly effects resolve "
+            f"{key_id} --happened|--not-happened --evidence TEXT`"
+            if status == "needs_human"
+            else "reconcile it with the adapter's probe (Ledger.reconcile) or an operator "
+            f"decision (`onceonly effects resolve {key_id} ...`)"
+        )
+        extra = f" ({detail})" if detail else ""
+        super().__init__(
+            f"effect {key_id[:16]}… is in doubt: {status}{extra}; it was not re-sent. {todo}"
+        )
+
+
+class EffectFailed(LedgerError):
+    """The effect failed definitely; the recorded error is replayed, never retried.
+
+    Attributes:
+        key_id: The effect's key id.
+        error_type: The recorded error's type name.
+        message: The recorded error's message.
+        info: The recorded error details (a dict), or None if erased.
+    """
+
+    def __init__(self, key_id: str, error_type: str, message: str, info: Any = None) -> None:
+        self.key_id = key_id
+        self.error_type = error_type
+        self.message = message
+        self.info = info
+        super().__init__(f"effect {key_id[:16]}… failed definitely: {error_type}: {message}")
+
+
+class PayloadErased(LedgerError):
+    """The effect's arguments and result were erased with its data subject.
+
+    The entry still deduplicates: the effect is not performed again.
+    """
+
+    def __init__(self, key_id: str, subject: str) -> None:
+        self.key_id = key_id
+        self.subject = subject
+        super().__init__(
+            f"effect {key_id[:16]}… happened, but its recorded payload was erased with data "
+            f"subject {subject!r}; it is not performed again and its result cannot be replayed"
+        )
+
+
+class LedgerUnavailable(LedgerError):
+    """The ledger could not be written; nothing was acted on.
+
+    After a failed outcome write the ledger object refuses all further work (fail closed):
+    stop the worker, fix the database, and start a new one; it recovers from disk.
+    """
+
+
+class UnknownEffect(LedgerError):
+    """No ledger entry has this key id."""
+
+    def __init__(self, key_id: str) -> None:
+        self.key_id = key_id
+        super().__init__(
+            f"no effect with key id {key_id!r}; list them with `onceonly effects list`"
+        )
+
+
+class InvalidTransition(LedgerError):
+    """The entry's state does not allow the requested change."""
+
+    def __init__(self, key_id: str, status: str, wanted: str) -> None:
+        self.key_id = key_id
+        self.status = status
+        super().__init__(f"effect {key_id[:16]}… is {status}; cannot {wanted}")

@@ -1,0 +1,1256 @@
+"""The effects ledger: the record that lets every external action happen once.
+
+Every transition is one write transaction through the checkpoint store's write barrier
+(:meth:`checkpoint.Store.transact`): pending checkpoints and the transition commit
+together, and in ``async`` durability concurrent claims share one group commit. Every
+transition is a compare-and-set on ``(key_id, epoch, status)``; a stale worker's write
+raises :class:`~ledger.errors.LeaseLost` and changes nothing. Every transition appends a
+hash-chained audit event in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+from checkpoint import Codec, Store, ensure_schema
+from checkpoint.errors import ConfigurationError, CorruptRecord, OnceOnlyError, StoreError
+
+from . import _schema
+from .audit import GENESIS, AuditReport, event_hash, row_digest
+from .crypto import Sealer
+from .errors import (
+    EffectFailed,
+    EffectInDoubt,
+    EffectInFlight,
+    InvalidTransition,
+    KeyReuseError,
+    LeaseLost,
+    LedgerUnavailable,
+    PayloadErased,
+    UnknownEffect,
+)
+from .keys import EffectIdentity, Keyring, canonical_args
+from .records import (
+    Claim,
+    EffectRecord,
+    EffectStatus,
+    Evidence,
+    InFlightPolicy,
+    OutcomeClass,
+    ProviderClass,
+    Replay,
+    RetentionPolicy,
+)
+
+__all__ = ["Ledger"]
+
+T = TypeVar("T")
+Row = dict[str, Any]
+_COLS = _schema.COLUMNS
+_SELECT = "SELECT " + ", ".join(_COLS) + " FROM oo_effects"
+_TERMINAL = (EffectStatus.COMMITTED.value, EffectStatus.FAILED.value)
+
+
+def _row(values: Sequence[Any]) -> Row:
+    row = dict(zip(_COLS, values, strict=True))
+    for c in ("args_ct", "result_ct", "error_ct"):
+        if row[c] is not None:
+            row[c] = bytes(row[c])
+    return row
+
+
+def _record(row: Row) -> EffectRecord:
+    try:
+        return EffectRecord(
+            key_id=row["key_id"],
+            tenant=row["tenant"],
+            run_id=row["run_id"],
+            step_id=row["step_id"],
+            effect=row["effect"],
+            fingerprint=row["fingerprint"],
+            provider_key=row["provider_key"],
+            provider_class=ProviderClass(row["provider_class"]),
+            window_s=row["window_s"],
+            status=EffectStatus(row["status"]),
+            epoch=int(row["epoch"]),
+            lease_owner=row["lease_owner"],
+            lease_expires_at=row["lease_expires_at"],
+            attempts=int(row["attempts"]),
+            outcome_class=None
+            if row["outcome_class"] is None
+            else OutcomeClass(row["outcome_class"]),
+            subject=row["subject"],
+            secret_id=row["secret_id"],
+            first_sent_at=row["first_sent_at"],
+            created_at=float(row["created_at"]),
+            updated_at=float(row["updated_at"]),
+        )
+    except (ValueError, KeyError) as exc:
+        raise CorruptRecord(f"effect row {row.get('key_id')!r} is malformed ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What a claim transaction decided (raised or returned after it commits)."""
+
+    kind: str  # claim | replay | reuse | inflight | doubt
+    row: Row
+    claim: Claim | None = None
+    cipher: tuple[str, ChaCha20Poly1305] | None = None
+
+
+class Ledger:
+    """The durable effects ledger, in the same database as the checkpoints.
+
+    Example::
+
+        ledger = Ledger(store, Keyring.from_env())
+        ident = EffectIdentity("acme", run_id, "notify", 0, "send_email@1", 0)
+        out = ledger.claim(ident, {"to": "a@example.com"}, provider_class=ProviderClass.QUERYABLE)
+        if isinstance(out, Replay):
+            return out.result                     # recorded: never act again
+        try:
+            result = send(out.provider_key, ...)   # act, carrying the provider key
+        except TimeoutError:
+            ledger.mark_unknown(out, "timeout after send")
+            raise
+        ledger.commit(out, result)                 # durable before returning
+
+    Args:
+        store: The checkpoint store (its database holds the ledger too).
+        keyring: Secrets for keys, fingerprints and data-key wrapping.
+        owner: This worker's name in leases (default host:pid:random).
+        lease_s: How long a claim stays live without renewal.
+        in_flight: What to do when another worker holds a live claim.
+        create: Create the ledger's tables in a database that has none.
+        clock: Time source (UNIX seconds), for tests.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        keyring: Keyring,
+        *,
+        owner: str | None = None,
+        lease_s: float = 30.0,
+        in_flight: InFlightPolicy | None = None,
+        create: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if lease_s <= 0:
+            raise ConfigurationError("lease_s must be > 0")
+        self.store = store
+        self.keyring = keyring
+        self.owner = (
+            owner or f"{socket.gethostname()}:{__import__('os').getpid()}:{uuid.uuid4().hex[:6]}"
+        )
+        self.lease_s = lease_s
+        self.in_flight = in_flight or InFlightPolicy()
+        self.codec = Codec()
+        self._clock = clock
+        self._sealer = Sealer(keyring)
+        self._q = store.param
+        self._pg = store.dialect == "postgresql"
+        self._lock = threading.Lock()
+        self._heads: dict[str, tuple[int, bytes]] = {}
+        self._terminal: dict[str, Row] = {}
+        self._prefetched: set[str] = set()
+        self._poisoned: BaseException | None = None
+        ensure_schema(store.engine, "ledger", _schema.LEDGER_MIGRATIONS, create=create)
+
+    # -- fail closed --------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._poisoned is not None:
+            raise LedgerUnavailable(
+                "this ledger stopped after an outcome could not be recorded "
+                f"({self._poisoned}); nothing more is acted on through it. Stop the worker, "
+                "fix the database, and start a new one: it recovers from what is on disk, and "
+                "the unrecorded effect is reconciled as in doubt."
+            ) from self._poisoned
+
+    def _write(self, fn: Callable[[Any], T], *, outcome: bool) -> T:
+        self._check()
+        try:
+            return self.store.transact(fn)
+        except OnceOnlyError as exc:
+            if isinstance(exc, StoreError | LedgerUnavailable):
+                if outcome:
+                    self._poisoned = exc
+                raise LedgerUnavailable(
+                    f"the ledger could not be written ({exc}); nothing was acted on for this "
+                    f"call" + ("; this ledger now refuses further work" if outcome else "")
+                ) from exc
+            raise
+
+    # -- identity -----------------------------------------------------------------------
+    def key_ids(self, identity: EffectIdentity) -> list[tuple[str, str]]:
+        """``(secret id, key id)`` candidates for an identity, current secret first."""
+        parts = identity.parts()
+        return [(sid, self.keyring.key_id(sid, parts)) for sid in self.keyring.ids]
+
+    def key_id(self, identity: EffectIdentity) -> str:
+        """The key id this identity has under the current secret."""
+        return self.keyring.key_id(self.keyring.current_id, identity.parts())
+
+    # -- claim --------------------------------------------------------------------------
+    def claim(
+        self,
+        identity: EffectIdentity,
+        args: Any,
+        *,
+        provider_class: ProviderClass | str = ProviderClass.OPAQUE,
+        window_s: float | None = None,
+        subject: str | None = None,
+    ) -> Claim | Replay:
+        """Record the intent to act, durably, before acting — or return the recorded outcome.
+
+        Args:
+            identity: Where the call sits (or its explicit key).
+            args: The call's arguments (any codec-encodable value); fingerprinted and
+                stored encrypted.
+            provider_class: What the provider can tell us when the outcome is lost.
+            window_s: Class A: how long the provider deduplicates our key.
+            subject: The data subject whose key encrypts the payloads (default: the run,
+                or the tenant outside a run).
+
+        Returns:
+            A :class:`Claim` (act now, with ``claim.provider_key``) or a :class:`Replay`
+            (the effect already happened: return ``replay.result``).
+
+        Raises:
+            KeyReuseError: The key was recorded with other arguments.
+            EffectFailed: The effect failed definitely before; its error is replayed.
+            EffectInFlight: Another worker holds a live claim (after waiting per policy).
+            EffectInDoubt: The effect is UNKNOWN or NEEDS_HUMAN: reconcile it first.
+            PayloadErased: Recorded, but the payload was erased; not performed again.
+            LedgerUnavailable: The intent could not be recorded; do not act.
+        """
+        self._check()
+        pclass = ProviderClass(provider_class)
+        if pclass is ProviderClass.DEDUPLICATING and (window_s is None or window_s <= 0):
+            raise ConfigurationError("a class A (deduplicating) provider needs window_s > 0")
+        canonical = canonical_args(args, self.codec)
+        candidates = self.key_ids(identity)
+        fps = {sid: self.keyring.fingerprint(sid, canonical) for sid, _ in candidates}
+        subj = subject or identity.run_id or f"tenant:{identity.tenant}"
+        chain = identity.run_id or f"tenant:{identity.tenant}"
+        if identity.run_id is not None and identity.run_id not in self._prefetched:
+            self.prefetch(identity.run_id)
+        for _sid, kid in candidates:
+            cached = self._terminal.get(kid)
+            if cached is not None:
+                if cached["fingerprint"] != fps[cached["secret_id"]]:
+                    raise KeyReuseError(kid, cached["effect"])
+                return self._replay(cached)
+
+        deadline = self._clock() + self.in_flight.wait_s
+        backoff = self.in_flight.initial_backoff_s
+        while True:
+            out = self._write(
+                lambda cur: self._claim_txn(
+                    cur, identity, candidates, fps, canonical, pclass, window_s, subj, chain
+                ),
+                outcome=False,
+            )
+            if out.cipher is not None:
+                self._sealer.remember(*out.cipher)
+            if out.kind == "claim":
+                assert out.claim is not None
+                return out.claim
+            if out.kind == "replay":
+                self._terminal[out.row["key_id"]] = out.row
+                return self._replay(out.row)
+            if out.kind == "reuse":
+                raise KeyReuseError(out.row["key_id"], out.row["effect"])
+            if out.kind == "doubt":
+                raise EffectInDoubt(out.row["key_id"], out.row["status"], out.row["provider_class"])
+            # in flight: wait for the other worker's outcome, bounded, with backoff
+            now = self._clock()
+            if now >= deadline:
+                raise EffectInFlight(
+                    out.row["key_id"],
+                    str(out.row["lease_owner"]),
+                    float(out.row["lease_expires_at"]),
+                )
+            time.sleep(min(backoff, max(deadline - now, 0.0)))
+            backoff = min(backoff * 2, self.in_flight.max_backoff_s)
+
+    def _claim_txn(
+        self,
+        cur: Any,
+        identity: EffectIdentity,
+        candidates: list[tuple[str, str]],
+        fps: Mapping[str, str],
+        canonical: bytes,
+        pclass: ProviderClass,
+        window_s: float | None,
+        subject: str,
+        chain: str,
+    ) -> _Outcome:
+        q = self._q
+        now = self._clock()
+        ids = [kid for _, kid in candidates]
+        marks = ", ".join([q] * len(ids))
+        lock = " FOR UPDATE" if self._pg else ""
+        cur.execute(f"{_SELECT} WHERE key_id IN ({marks}){lock}", ids)
+        found = cur.fetchall()
+        if not found:
+            sid, kid = candidates[0]
+            new_cipher = self._cipher_in_txn(cur, subject)
+            row: Row = {
+                "key_id": kid,
+                "tenant": identity.tenant,
+                "run_id": identity.run_id,
+                "step_id": identity.step_id,
+                "effect": identity.effect,
+                "fingerprint": fps[sid],
+                "provider_key": self.keyring.provider_key(sid, kid),
+                "provider_class": pclass.value,
+                "window_s": window_s,
+                "status": EffectStatus.CLAIMED.value,
+                "epoch": 1,
+                "lease_owner": self.owner,
+                "lease_expires_at": now + self.lease_s,
+                "attempts": 1,
+                "outcome_class": None,
+                "subject": subject,
+                "secret_id": sid,
+                "chain": chain,
+                "args_ct": Sealer.seal(new_cipher[1], canonical, f"{kid}|args".encode()),
+                "result_ct": None,
+                "error_ct": None,
+                "first_sent_at": now,
+                "created_at": now,
+                "updated_at": now,
+            }
+            cols = ", ".join(_COLS)
+            cur.execute(
+                f"INSERT INTO oo_effects ({cols}) VALUES ({', '.join([q] * len(_COLS))}) "
+                f"ON CONFLICT DO NOTHING",
+                [row[c] for c in _COLS],
+            )
+            if cur.rowcount == 1:
+                self._append(cur, row, "claimed", self.owner, "")
+                return _Outcome("claim", row, self._claim_of(row), new_cipher)
+            # Lost an insert race (PostgreSQL): read the winner's row under lock.
+            cur.execute(f"{_SELECT} WHERE key_id = {q}{lock}", (kid,))
+            found = cur.fetchall()
+        row = _row(found[0])
+        if row["fingerprint"] != fps.get(row["secret_id"]):
+            return _Outcome("reuse", row)
+        status = row["status"]
+        if status in _TERMINAL:
+            return _Outcome("replay", row)
+        if status == EffectStatus.CLAIMED.value:
+            if row["lease_expires_at"] is not None and row["lease_expires_at"] > now:
+                return _Outcome("inflight", row)
+            moved = self._transition(
+                cur,
+                row,
+                "lease_expired",
+                {
+                    "status": EffectStatus.UNKNOWN.value,
+                    "lease_owner": None,
+                    "lease_expires_at": None,
+                },
+                expect=EffectStatus.CLAIMED.value,
+                actor=self.owner,
+                detail="claim lease expired before an outcome was recorded",
+            )
+            return _Outcome("doubt", moved or row)
+        if status == EffectStatus.NOT_HAPPENED.value:
+            moved = self._reclaim(cur, row, "reclaimed", resend=False)
+            if moved is None:
+                return _Outcome("inflight", row)
+            return _Outcome("claim", moved, self._claim_of(moved))
+        return _Outcome("doubt", row)
+
+    def _reclaim(self, cur: Any, row: Row, event: str, *, resend: bool) -> Row | None:
+        now = self._clock()
+        return self._transition(
+            cur,
+            row,
+            event,
+            {
+                "status": EffectStatus.CLAIMED.value,
+                "epoch": int(row["epoch"]) + 1,
+                "attempts": int(row["attempts"]) + 1,
+                "lease_owner": self.owner,
+                "lease_expires_at": now + self.lease_s,
+                "outcome_class": None,
+            },
+            expect=row["status"],
+            actor=self.owner,
+            detail="re-send inside the provider's dedup window" if resend else "",
+        )
+
+    def _claim_of(self, row: Row, *, resend: bool = False) -> Claim:
+        return Claim(
+            key_id=row["key_id"],
+            epoch=int(row["epoch"]),
+            provider_key=row["provider_key"],
+            attempt=int(row["attempts"]),
+            lease_owner=str(row["lease_owner"]),
+            lease_expires_at=float(row["lease_expires_at"]),
+            provider_class=ProviderClass(row["provider_class"]),
+            subject=row["subject"],
+            chain=row["chain"],
+            resend=resend,
+        )
+
+    # -- outcomes -----------------------------------------------------------------------
+    def commit(self, claim: Claim, result: Any) -> EffectRecord:
+        """Record success; durable before this returns (a caller never sees a result the
+        ledger could lose).
+
+        Raises:
+            LeaseLost: The claim is stale; nothing changed.
+            LedgerUnavailable: Not recorded; this ledger now refuses further work.
+        """
+        cipher = self._cipher(claim.subject)
+        sealed = Sealer.seal(cipher, self.codec.encode(result), f"{claim.key_id}|result".encode())
+        row = self._finish(
+            claim,
+            "committed",
+            {
+                "status": EffectStatus.COMMITTED.value,
+                "result_ct": sealed,
+                "outcome_class": OutcomeClass.SUCCEEDED.value,
+                "lease_owner": None,
+                "lease_expires_at": None,
+            },
+            "",
+        )
+        self._terminal[row["key_id"]] = row
+        return _record(row)
+
+    def fail(
+        self, claim: Claim, error_type: str, message: str, info: Mapping[str, Any] | None = None
+    ) -> EffectRecord:
+        """Record a definite failure (the provider refused; nothing happened). Replayed as
+        :class:`EffectFailed` forever after, never retried.
+
+        Raises:
+            LeaseLost / LedgerUnavailable: As in :meth:`commit`.
+        """
+        cipher = self._cipher(claim.subject)
+        payload = {"type": error_type, "message": message, "info": dict(info or {})}
+        sealed = Sealer.seal(cipher, self.codec.encode(payload), f"{claim.key_id}|error".encode())
+        row = self._finish(
+            claim,
+            "failed",
+            {
+                "status": EffectStatus.FAILED.value,
+                "error_ct": sealed,
+                "outcome_class": OutcomeClass.REJECTED.value,
+                "lease_owner": None,
+                "lease_expires_at": None,
+            },
+            "",
+        )
+        self._terminal[row["key_id"]] = row
+        return _record(row)
+
+    def mark_unknown(self, claim: Claim, detail: str = "") -> EffectRecord:
+        """Record that the attempt's outcome is ambiguous (sent, no answer): UNKNOWN.
+
+        Raises:
+            LeaseLost / LedgerUnavailable: As in :meth:`commit`.
+        """
+        row = self._finish(
+            claim,
+            "unknown",
+            {
+                "status": EffectStatus.UNKNOWN.value,
+                "outcome_class": OutcomeClass.AMBIGUOUS.value,
+                "lease_owner": None,
+                "lease_expires_at": None,
+            },
+            detail,
+        )
+        return _record(row)
+
+    def release(self, claim: Claim, detail: str = "not sent") -> EffectRecord:
+        """Record that the attempt provably never left (connect refused): NOT_HAPPENED, so
+        a later claim may send it again with the next epoch.
+
+        Raises:
+            LeaseLost / LedgerUnavailable: As in :meth:`commit`.
+        """
+        row = self._finish(
+            claim,
+            "not_sent",
+            {
+                "status": EffectStatus.NOT_HAPPENED.value,
+                "outcome_class": OutcomeClass.NOT_SENT.value,
+                "lease_owner": None,
+                "lease_expires_at": None,
+            },
+            detail,
+        )
+        return _record(row)
+
+    def renew(self, claim: Claim) -> Claim:
+        """Extend a live claim's lease (for long calls).
+
+        Raises:
+            LeaseLost: The claim is stale.
+        """
+
+        def txn(cur: Any) -> float:
+            q = self._q
+            until = self._clock() + self.lease_s
+            cur.execute(
+                f"UPDATE oo_effects SET lease_expires_at = {q} WHERE key_id = {q} AND epoch = {q} "
+                f"AND status = {q} AND lease_owner = {q}",
+                (until, claim.key_id, claim.epoch, EffectStatus.CLAIMED.value, claim.lease_owner),
+            )
+            if cur.rowcount != 1:
+                raise self._lost(cur, claim)
+            return until
+
+        until = self._write(txn, outcome=False)
+        return Claim(**{**claim.__dict__, "lease_expires_at": until})
+
+    def _finish(self, claim: Claim, event: str, changes: Row, detail: str) -> Row:
+        def txn(cur: Any) -> Row:
+            q = self._q
+            lock = " FOR UPDATE" if self._pg else ""
+            cur.execute(f"{_SELECT} WHERE key_id = {q}{lock}", (claim.key_id,))
+            found = cur.fetchone()
+            if found is None:
+                raise UnknownEffect(claim.key_id)
+            row = _row(found)
+            moved = None
+            if int(row["epoch"]) == claim.epoch and row["status"] == EffectStatus.CLAIMED.value:
+                moved = self._transition(
+                    cur,
+                    row,
+                    event,
+                    changes,
+                    expect=EffectStatus.CLAIMED.value,
+                    actor=claim.lease_owner,
+                    detail=detail,
+                    epoch=claim.epoch,
+                )
+            if moved is None:
+                raise LeaseLost(claim.key_id, claim.epoch, int(row["epoch"]), row["status"])
+            return moved
+
+        return self._write(txn, outcome=True)
+
+    def _lost(self, cur: Any, claim: Claim) -> LeaseLost:
+        cur.execute(
+            f"SELECT epoch, status FROM oo_effects WHERE key_id = {self._q}", (claim.key_id,)
+        )
+        found = cur.fetchone()
+        if found is None:
+            return LeaseLost(claim.key_id, claim.epoch, -1, "missing")
+        return LeaseLost(claim.key_id, claim.epoch, int(found[0]), str(found[1]))
+
+    # -- reconciliation ------------------------------------------------------------------
+    def reconcile(
+        self,
+        key_id: str,
+        evidence: Evidence | str,
+        *,
+        result: Any = None,
+        actor: str = "probe",
+        detail: str = "",
+    ) -> EffectRecord | Claim:
+        """Move an in-doubt effect on, by the adapter's evidence.
+
+        * ``HAPPENED`` → COMMITTED with ``result``;
+        * ``NOT_HAPPENED`` → NOT_HAPPENED (the next claim re-sends with epoch + 1);
+        * ``WINDOW_OPEN`` (class A, window not yet closed) → CLAIMED again, epoch + 1:
+          the returned :class:`Claim` re-sends with the same provider key;
+        * ``INCONCLUSIVE`` (or a window that has closed) → NEEDS_HUMAN.
+
+        Only UNKNOWN entries, or CLAIMED ones whose lease expired, are reconciled.
+
+        Raises:
+            InvalidTransition: The entry is not in doubt.
+            UnknownEffect: No such entry.
+        """
+        ev = Evidence(evidence)
+
+        def txn(cur: Any) -> tuple[Row, bool]:
+            row = self._locked_row(cur, key_id)
+            now = self._clock()
+            status = row["status"]
+            expired = status == EffectStatus.CLAIMED.value and (row["lease_expires_at"] or 0) <= now
+            if status != EffectStatus.UNKNOWN.value and not expired:
+                raise InvalidTransition(key_id, status, f"reconcile with {ev.value}")
+            base = {"lease_owner": None, "lease_expires_at": None}
+            if ev is Evidence.HAPPENED:
+                cipher = self._cipher_in_txn(cur, row["subject"])[1]
+                sealed = Sealer.seal(cipher, self.codec.encode(result), f"{key_id}|result".encode())
+                changes = {**base, "status": EffectStatus.COMMITTED.value, "result_ct": sealed}
+                return self._must(
+                    self._transition(
+                        cur,
+                        row,
+                        "reconciled",
+                        changes,
+                        expect=status,
+                        actor=actor,
+                        detail=detail or "probe: happened",
+                    ),
+                    key_id,
+                ), False
+            if ev is Evidence.NOT_HAPPENED:
+                changes = {**base, "status": EffectStatus.NOT_HAPPENED.value}
+                return self._must(
+                    self._transition(
+                        cur,
+                        row,
+                        "reconciled",
+                        changes,
+                        expect=status,
+                        actor=actor,
+                        detail=detail or "probe: did not happen",
+                    ),
+                    key_id,
+                ), False
+            window_open = (
+                ev is Evidence.WINDOW_OPEN
+                and row["provider_class"] == ProviderClass.DEDUPLICATING.value
+                and row["window_s"] is not None
+                and (row["first_sent_at"] or 0) + float(row["window_s"]) > now
+            )
+            if window_open:
+                return self._must(self._reclaim(cur, row, "resend", resend=True), key_id), True
+            changes = {**base, "status": EffectStatus.NEEDS_HUMAN.value}
+            why = detail or (
+                "dedup window closed" if ev is Evidence.WINDOW_OPEN else "no evidence either way"
+            )
+            return self._must(
+                self._transition(
+                    cur, row, "needs_human", changes, expect=status, actor=actor, detail=why
+                ),
+                key_id,
+            ), False
+
+        row, resend = self._write(txn, outcome=False)
+        if row["status"] in _TERMINAL:
+            self._terminal[key_id] = row
+        if resend:
+            return self._claim_of(row, resend=True)
+        return _record(row)
+
+    def resolve(
+        self,
+        key_id: str,
+        *,
+        happened: bool,
+        evidence: str,
+        actor: str,
+        result: Any = None,
+    ) -> EffectRecord:
+        """An operator's decision on an in-doubt effect, recorded with evidence and identity.
+
+        Raises:
+            InvalidTransition: The entry is not UNKNOWN, NEEDS_HUMAN or an expired claim.
+            ConfigurationError: No evidence or actor given.
+        """
+        if not evidence.strip() or not actor.strip():
+            raise ConfigurationError("resolve needs the evidence and the operator's identity")
+
+        def txn(cur: Any) -> Row:
+            row = self._locked_row(cur, key_id)
+            status = row["status"]
+            expired = (
+                status == EffectStatus.CLAIMED.value
+                and (row["lease_expires_at"] or 0) <= self._clock()
+            )
+            if (
+                status not in (EffectStatus.UNKNOWN.value, EffectStatus.NEEDS_HUMAN.value)
+                and not expired
+            ):
+                raise InvalidTransition(key_id, status, "resolve")
+            changes: Row = {"lease_owner": None, "lease_expires_at": None}
+            if happened:
+                cipher = self._cipher_in_txn(cur, row["subject"])[1]
+                changes["result_ct"] = Sealer.seal(
+                    cipher, self.codec.encode(result), f"{key_id}|result".encode()
+                )
+                changes["status"] = EffectStatus.COMMITTED.value
+            else:
+                changes["status"] = EffectStatus.NOT_HAPPENED.value
+            return self._must(
+                self._transition(
+                    cur, row, "resolved", changes, expect=status, actor=actor, detail=evidence
+                ),
+                key_id,
+            )
+
+        row = self._write(txn, outcome=False)
+        if row["status"] in _TERMINAL:
+            self._terminal[key_id] = row
+        return _record(row)
+
+    def _must(self, row: Row | None, key_id: str) -> Row:
+        if row is None:
+            raise InvalidTransition(key_id, "changed concurrently", "apply the transition")
+        return row
+
+    def _locked_row(self, cur: Any, key_id: str) -> Row:
+        lock = " FOR UPDATE" if self._pg else ""
+        cur.execute(f"{_SELECT} WHERE key_id = {self._q}{lock}", (key_id,))
+        found = cur.fetchone()
+        if found is None:
+            raise UnknownEffect(key_id)
+        return _row(found)
+
+    # -- transitions and the audit chain --------------------------------------------------
+    def _transition(
+        self,
+        cur: Any,
+        row: Row,
+        event: str,
+        changes: Row,
+        *,
+        expect: str,
+        actor: str,
+        detail: str,
+        epoch: int | None = None,
+    ) -> Row | None:
+        """Compare-and-set on (key, epoch, status); append the audit event. None if lost."""
+        q = self._q
+        now = self._clock()
+        new = {**row, **changes, "updated_at": now}
+        sets = ", ".join(f"{c} = {q}" for c in [*changes, "updated_at"])
+        cur.execute(
+            f"UPDATE oo_effects SET {sets} WHERE key_id = {q} AND epoch = {q} AND status = {q}",
+            [
+                *changes.values(),
+                now,
+                row["key_id"],
+                row["epoch"] if epoch is None else epoch,
+                expect,
+            ],
+        )
+        if cur.rowcount != 1:
+            return None
+        self._append(cur, new, event, actor, detail)
+        return new
+
+    def _append(self, cur: Any, row: Row, event: str, actor: str, detail: str) -> None:
+        q = self._q
+        chain = row["chain"]
+        digest = row_digest(row)
+        at = float(row["updated_at"])
+        head = self._heads.get(chain)
+        for _ in range(3):
+            if head is None:
+                lock = " FOR UPDATE" if self._pg else ""
+                cur.execute(
+                    f"SELECT seq, hash FROM oo_audit_heads WHERE chain = {q}{lock}", (chain,)
+                )
+                found = cur.fetchone()
+                head = (0, GENESIS) if found is None else (int(found[0]), bytes(found[1]))
+            seq = head[0] + 1
+            h = event_hash(
+                head[1],
+                chain,
+                seq,
+                row["key_id"],
+                event,
+                int(row["epoch"]),
+                row["status"],
+                actor,
+                detail,
+                digest,
+                at,
+            )
+            if head[0] == 0:
+                cur.execute(
+                    f"INSERT INTO oo_audit_heads (chain, seq, hash, updated_at) "
+                    f"VALUES ({q}, {q}, {q}, {q}) ON CONFLICT DO NOTHING",
+                    (chain, seq, h, at),
+                )
+            else:
+                cur.execute(
+                    f"UPDATE oo_audit_heads SET seq = {q}, hash = {q}, updated_at = {q} "
+                    f"WHERE chain = {q} AND seq = {q}",
+                    (seq, h, at, chain, head[0]),
+                )
+            if cur.rowcount != 1:
+                head = None  # another writer moved the head: re-read it and chain after it
+                continue
+            cur.execute(
+                "INSERT INTO oo_audit (chain, seq, key_id, event, epoch, status, actor, detail, "
+                f"row_digest, at, prev_hash, hash) VALUES ({', '.join([q] * 12)})",
+                (
+                    chain,
+                    seq,
+                    row["key_id"],
+                    event,
+                    int(row["epoch"]),
+                    row["status"],
+                    actor,
+                    detail,
+                    digest,
+                    at,
+                    head[1],
+                    h,
+                ),
+            )
+            self._heads[chain] = (seq, h)
+            return
+        raise StoreError(f"could not append to audit chain {chain!r}: its head kept moving")
+
+    # -- data keys ----------------------------------------------------------------------
+    def _cipher(self, subject: str) -> ChaCha20Poly1305:
+        cipher = self._sealer.cached(subject)
+        if cipher is not None:
+            return cipher
+        got = self.store.read(lambda cur: self._load_key(cur, subject))
+        if got is None:
+            raise PayloadErased("-", subject)
+        self._sealer.remember(subject, got)
+        return got
+
+    def _load_key(self, cur: Any, subject: str) -> ChaCha20Poly1305 | None:
+        cur.execute(
+            f"SELECT secret_id, wrapped FROM oo_data_keys WHERE subject = {self._q}", (subject,)
+        )
+        found = cur.fetchone()
+        if found is None or found[1] is None:
+            return None
+        return self._sealer.unwrap(subject, str(found[0]), bytes(found[1]))
+
+    def _cipher_in_txn(self, cur: Any, subject: str) -> tuple[str, ChaCha20Poly1305]:
+        cached = self._sealer.cached(subject)
+        if cached is not None:
+            return subject, cached
+        q = self._q
+        cur.execute(f"SELECT secret_id, wrapped FROM oo_data_keys WHERE subject = {q}", (subject,))
+        found = cur.fetchone()
+        if found is not None:
+            if found[1] is None:
+                raise PayloadErased("-", subject)
+            return subject, self._sealer.unwrap(subject, str(found[0]), bytes(found[1]))
+        sid, wrapped, cipher = self._sealer.new_wrapped_key(subject)
+        cur.execute(
+            f"INSERT INTO oo_data_keys (subject, secret_id, wrapped, created_at, erased_at) "
+            f"VALUES ({q}, {q}, {q}, {q}, NULL) ON CONFLICT DO NOTHING",
+            (subject, sid, wrapped, self._clock()),
+        )
+        if cur.rowcount != 1:
+            cur.execute(
+                f"SELECT secret_id, wrapped FROM oo_data_keys WHERE subject = {q}", (subject,)
+            )
+            again = cur.fetchone()
+            if again is None or again[1] is None:
+                raise PayloadErased("-", subject)
+            return subject, self._sealer.unwrap(subject, str(again[0]), bytes(again[1]))
+        return subject, cipher
+
+    def erase(self, subject: str) -> int:
+        """Destroy a data subject's key: its effects' arguments, results and errors become
+        unreadable, while key ids, fingerprints and outcomes stay (dedup keeps working).
+
+        Returns:
+            How many ledger entries were affected.
+        """
+
+        def txn(cur: Any) -> int:
+            q = self._q
+            cur.execute(
+                f"UPDATE oo_data_keys SET wrapped = NULL, erased_at = {q} WHERE subject = {q}",
+                (self._clock(), subject),
+            )
+            cur.execute(f"SELECT COUNT(*) FROM oo_effects WHERE subject = {q}", (subject,))
+            return int(cur.fetchone()[0])
+
+        n = self._write(txn, outcome=False)
+        self._sealer.forget(subject)
+        return n
+
+    # -- replay and reads --------------------------------------------------------------
+    def prefetch(self, run_id: str) -> int:
+        """Load a run's finished effects into memory in one range scan, so replaying them
+        is a lookup plus a fingerprint check. Returns how many were loaded."""
+
+        def scan(cur: Any) -> list[Row]:
+            q = self._q
+            cur.execute(
+                f"{_SELECT} WHERE run_id = {q} AND status IN ({q}, {q})", (run_id, *_TERMINAL)
+            )
+            return [_row(r) for r in cur.fetchall()]
+
+        rows = self.store.read(scan)
+        with self._lock:
+            for row in rows:
+                self._terminal[row["key_id"]] = row
+            self._prefetched.add(run_id)
+        return len(rows)
+
+    def _replay(self, row: Row) -> Replay:
+        rec = _record(row)
+        try:
+            if rec.status is EffectStatus.FAILED:
+                info = self._open(row, "error")
+                raise EffectFailed(
+                    rec.key_id, str(info["type"]), str(info["message"]), info.get("info")
+                )
+            return Replay(rec, self._open(row, "result"))
+        except PayloadErased as exc:
+            raise PayloadErased(rec.key_id, rec.subject) from exc
+
+    def _open(self, row: Row, field: str) -> Any:
+        sealed = row[f"{field}_ct"]
+        if sealed is None:
+            return None
+        cipher = self._cipher(row["subject"])
+        try:
+            plain = Sealer.open(cipher, sealed, f"{row['key_id']}|{field}".encode())
+        except CorruptRecord as exc:
+            raise CorruptRecord(
+                f"effect {row['key_id']} {field}: {exc.detail}", run_id=row["run_id"]
+            ) from exc
+        return self.codec.decode(plain)
+
+    def get(self, key_id: str) -> EffectRecord:
+        """The entry with this key id.
+
+        Raises:
+            UnknownEffect: No such entry.
+        """
+        return _record(self._get_row(key_id))
+
+    def _get_row(self, key_id: str) -> Row:
+        def q(cur: Any) -> Row | None:
+            cur.execute(f"{_SELECT} WHERE key_id = {self._q}", (key_id,))
+            found = cur.fetchone()
+            return None if found is None else _row(found)
+
+        row = self.store.read(q)
+        if row is None:
+            raise UnknownEffect(key_id)
+        return row
+
+    def payload(self, key_id: str) -> dict[str, Any]:
+        """The decrypted arguments (canonical form), result and error of an entry.
+
+        Raises:
+            PayloadErased: The subject's key was erased.
+            CorruptRecord: A ciphertext fails authentication.
+        """
+        row = self._get_row(key_id)
+        try:
+            args = None
+            if row["args_ct"] is not None:
+                cipher = self._cipher(row["subject"])
+                args = self.codec.decode(
+                    Sealer.open(cipher, row["args_ct"], f"{key_id}|args".encode())
+                )
+            return {
+                "args": args,
+                "result": self._open(row, "result"),
+                "error": self._open(row, "error"),
+            }
+        except PayloadErased as exc:
+            raise PayloadErased(key_id, row["subject"]) from exc
+
+    def effects(
+        self,
+        *,
+        run_id: str | None = None,
+        status: EffectStatus | str | None = None,
+        effect: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int | None = None,
+    ) -> list[EffectRecord]:
+        """Entries matching every given filter, newest first."""
+        return [_record(r) for r in self._query(run_id, status, effect, since, until, limit)]
+
+    def _query(
+        self,
+        run_id: str | None,
+        status: EffectStatus | str | None,
+        effect: str | None,
+        since: float | None,
+        until: float | None,
+        limit: int | None,
+    ) -> list[Row]:
+        q = self._q
+        where, params = [], []
+        for col, op, val in (
+            ("run_id", "=", run_id),
+            ("status", "=", None if status is None else EffectStatus(status).value),
+            ("effect", "=", effect),
+            ("updated_at", ">=", since),
+            ("updated_at", "<", until),
+        ):
+            if val is not None:
+                where.append(f"{col} {op} {q}")
+                params.append(val)
+        sql = _SELECT + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY updated_at DESC, key_id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+
+        def scan(cur: Any) -> list[Row]:
+            cur.execute(sql, params)
+            return [_row(r) for r in cur.fetchall()]
+
+        return self.store.read(scan)
+
+    def export_jsonl(self, path: str, **filters: Any) -> int:
+        """Append matching entries (metadata only, never payloads) to a JSONL file.
+
+        Returns:
+            How many were written.
+        """
+        rows = self.effects(**filters)
+        with open(path, "a", encoding="utf-8") as fh:
+            for rec in rows:
+                d = dict(rec.__dict__)
+                for k in ("status", "provider_class", "outcome_class"):
+                    d[k] = None if d[k] is None else str(d[k])
+                fh.write(json.dumps(d, sort_keys=True) + "\n")
+        return len(rows)
+
+    def audit_events(self, chain: str) -> list[dict[str, Any]]:
+        """The audit events of one chain (a run id, or ``tenant:<tenant>``), in order."""
+
+        def scan(cur: Any) -> list[dict[str, Any]]:
+            cur.execute(
+                "SELECT chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
+                f"prev_hash, hash FROM oo_audit WHERE chain = {self._q} ORDER BY seq",
+                (chain,),
+            )
+            keys = (
+                "chain",
+                "seq",
+                "key_id",
+                "event",
+                "epoch",
+                "status",
+                "actor",
+                "detail",
+                "row_digest",
+                "at",
+                "prev_hash",
+                "hash",
+            )
+            return [dict(zip(keys, r, strict=True)) for r in cur.fetchall()]
+
+        return self.store.read(scan)
+
+    # -- verification ------------------------------------------------------------------
+    def verify(self, *, witness: str | None = None) -> AuditReport:
+        """Check every audit chain, every effect row against its last event, every blob and
+        checkpoint row, and (given a witness file) that no chain was rolled back.
+
+        Detects edited, deleted, reordered or forged events and rows, rows moved between
+        runs, and a store restored below the witnessed heads.
+        """
+        report = AuditReport()
+        retired: set[str] = set()
+
+        def scan(cur: Any) -> None:
+            cur.execute("SELECT chain, seq, hash FROM oo_audit_heads ORDER BY chain")
+            heads = {c: (int(s), bytes(h)) for c, s, h in cur.fetchall()}
+            cur.execute(
+                "SELECT chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
+                "prev_hash, hash FROM oo_audit ORDER BY chain, seq"
+            )
+            events = cur.fetchall()
+            cur.execute(_SELECT)
+            rows = [_row(r) for r in cur.fetchall()]
+            last: dict[str, tuple[str, bytes, str]] = {}
+            by_chain: dict[str, list[Any]] = {}
+            for ev in events:
+                by_chain.setdefault(ev[0], []).append(ev)
+            report.chains = len(set(heads) | set(by_chain))
+            for chain in sorted(set(heads) | set(by_chain)):
+                evs = by_chain.get(chain, [])
+                prev = GENESIS
+                expect_seq = 1
+                for ev in evs:
+                    report.events += 1
+                    (c, seq, key_id, event, epoch, status, actor, detail, digest, at, prev_h, h) = (
+                        ev
+                    )
+                    if int(seq) != expect_seq:
+                        report.problems.append(
+                            f"chain {c!r}: event {expect_seq} missing or out of order (found {seq})"
+                        )
+                        expect_seq = int(seq)
+                    if bytes(prev_h) != prev:
+                        report.problems.append(
+                            f"chain {c!r} event {seq}: does not link to the event before it"
+                        )
+                    calc = event_hash(
+                        prev,
+                        c,
+                        int(seq),
+                        key_id,
+                        event,
+                        int(epoch),
+                        status,
+                        actor,
+                        detail,
+                        bytes(digest),
+                        float(at),
+                    )
+                    if calc != bytes(h):
+                        report.problems.append(f"chain {c!r} event {seq}: edited (hash mismatch)")
+                    prev = bytes(h)
+                    expect_seq += 1
+                    last[key_id] = (c, bytes(digest), event)
+                    if event == "retired":
+                        retired.add(key_id)
+                    elif key_id in retired:
+                        retired.discard(key_id)
+                head = heads.get(chain)
+                if head is None:
+                    report.problems.append(f"chain {chain!r}: events without a chain head")
+                elif evs and (head[0] != int(evs[-1][1]) or head[1] != bytes(evs[-1][11])):
+                    report.problems.append(
+                        f"chain {chain!r}: head does not match its last event "
+                        f"(events deleted or forged)"
+                    )
+                elif not evs:
+                    report.problems.append(f"chain {chain!r}: head without events")
+            seen = set()
+            for row in rows:
+                report.effects += 1
+                seen.add(row["key_id"])
+                info = last.get(row["key_id"])
+                if info is None:
+                    report.problems.append(
+                        f"effect {row['key_id']}: row has no audit events (forged)"
+                    )
+                    continue
+                if info[0] != row["chain"]:
+                    report.problems.append(
+                        f"effect {row['key_id']}: row moved from chain {info[0]!r} "
+                        f"to {row['chain']!r}"
+                    )
+                elif info[1] != row_digest(row):
+                    report.problems.append(
+                        f"effect {row['key_id']}: row differs from its last audited state (edited)"
+                    )
+            for key_id in sorted(set(last) - seen - retired):
+                report.problems.append(f"effect {key_id}: row deleted (its events remain)")
+            if witness is not None:
+                report.problems.extend(_check_witness(witness, heads, by_chain))
+
+        self.store.read(scan)
+        checked, problems = self.store.verify_integrity()
+        report.blobs = checked
+        report.problems.extend(problems)
+        return report
+
+    def export_witness(self, path: str) -> dict[str, Any]:
+        """Write every chain's head (and a digest over them) to an external witness file.
+
+        Keep the file outside the database (another host, object storage with versioning):
+        :meth:`verify` with ``witness=path`` detects a store rolled back below it.
+        """
+
+        def scan(cur: Any) -> dict[str, list[Any]]:
+            cur.execute("SELECT chain, seq, hash FROM oo_audit_heads ORDER BY chain")
+            return {c: [int(s), bytes(h).hex()] for c, s, h in cur.fetchall()}
+
+        heads = self.store.read(scan)
+        import blake3  # noqa: PLC0415
+
+        digest = blake3.blake3(json.dumps(heads, sort_keys=True).encode()).hexdigest()
+        doc = {"version": 1, "created_at": self._clock(), "heads": heads, "digest": digest}
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, sort_keys=True)
+        return doc
+
+    # -- retention ---------------------------------------------------------------------
+    def apply_retention(self, policy: RetentionPolicy) -> int:
+        """Remove finished entries past their dedup window and age whose run is gone.
+
+        Each removal appends a ``retired`` event to the chain first, so verification knows
+        the row was removed on purpose. Returns how many entries were removed.
+        """
+        now = self._clock()
+        cutoff = now - policy.older_than_s
+        finished = (*_TERMINAL, EffectStatus.NOT_HAPPENED.value)
+
+        def pick(cur: Any) -> list[Row]:
+            q = self._q
+            cur.execute(
+                f"{_SELECT} WHERE status IN ({q}, {q}, {q}) AND updated_at < {q} AND "
+                f"(run_id IS NULL OR run_id NOT IN (SELECT run_id FROM oo_runs))",
+                (*finished, cutoff),
+            )
+            return [
+                r
+                for r in (_row(x) for x in cur.fetchall())
+                if r["window_s"] is None or (r["first_sent_at"] or 0) + float(r["window_s"]) < now
+            ]
+
+        victims = self.store.read(pick)
+        if policy.archive_path is not None and victims:
+            with open(policy.archive_path, "a", encoding="utf-8") as fh:
+                for row in victims:
+                    fh.write(
+                        json.dumps(
+                            {k: (v.hex() if isinstance(v, bytes) else v) for k, v in row.items()},
+                            sort_keys=True,
+                        )
+                        + "\n"
+                    )
+        for row in victims:
+
+            def txn(cur: Any, row: Row = row) -> None:
+                q = self._q
+                cur.execute(
+                    f"DELETE FROM oo_effects WHERE key_id = {q} AND epoch = {q} AND status = {q}",
+                    (row["key_id"], row["epoch"], row["status"]),
+                )
+                if cur.rowcount == 1:
+                    self._append(
+                        cur, {**row, "updated_at": self._clock()}, "retired", "retention", ""
+                    )
+
+            self._write(txn, outcome=False)
+            self._terminal.pop(row["key_id"], None)
+        return len(victims)
+
+
+def _check_witness(
+    path: str, heads: Mapping[str, tuple[int, bytes]], by_chain: Mapping[str, list[Any]]
+) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+        witnessed = doc["heads"]
+    except (OSError, ValueError, KeyError) as exc:
+        yield f"witness {path}: unreadable ({exc})"
+        return
+    for chain, (seq, hexhash) in sorted(witnessed.items()):
+        head = heads.get(chain)
+        if head is None:
+            yield f"chain {chain!r}: witnessed at event {seq} but gone from the store (rolled back)"
+            continue
+        if head[0] < int(seq):
+            yield (
+                f"chain {chain!r}: store is at event {head[0]}, below the witnessed {seq} "
+                f"(rolled back)"
+            )
+            continue
+        evs = by_chain.get(chain, [])
+        match = [e for e in evs if int(e[1]) == int(seq)]
+        if not match or bytes(match[0][11]).hex() != hexhash:
+            yield f"chain {chain!r}: event {seq} differs from the witnessed one (history rewritten)"

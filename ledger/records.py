@@ -1,0 +1,198 @@
+"""Records and policies of the effects ledger."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from checkpoint.errors import ConfigurationError
+
+__all__ = [
+    "Claim",
+    "EffectRecord",
+    "EffectStatus",
+    "Evidence",
+    "InFlightPolicy",
+    "OutcomeClass",
+    "ProviderClass",
+    "Replay",
+    "RetentionPolicy",
+]
+
+
+class EffectStatus(enum.StrEnum):
+    """Where an effect entry is.
+
+    ``CLAIMED`` is durable before the caller acts. A claim whose lease expired is treated
+    as ``UNKNOWN``, never as free.
+    """
+
+    CLAIMED = "claimed"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    NOT_HAPPENED = "not_happened"
+    NEEDS_HUMAN = "needs_human"
+
+
+class ProviderClass(enum.StrEnum):
+    """What the provider can tell us about a call whose outcome we lost.
+
+    * ``DEDUPLICATING`` (A): honours our key within a dedup window; an in-doubt call may
+      be re-sent with the same provider key while the window is open.
+    * ``QUERYABLE`` (B): can be asked whether our reference happened; an in-doubt call is
+      probed, and re-sent only if the probe proves it did not happen.
+    * ``OPAQUE`` (C): neither; an in-doubt call needs a human, never a blind re-send.
+    """
+
+    DEDUPLICATING = "A"
+    QUERYABLE = "B"
+    OPAQUE = "C"
+
+
+class OutcomeClass(enum.StrEnum):
+    """An attempt's outcome, classified by evidence (not by exception type alone)."""
+
+    NOT_SENT = "not_sent"
+    REJECTED = "rejected"
+    AMBIGUOUS = "ambiguous"
+    SUCCEEDED = "succeeded"
+
+
+class Evidence(enum.StrEnum):
+    """What reconciliation learnt about an in-doubt effect."""
+
+    HAPPENED = "happened"
+    NOT_HAPPENED = "not_happened"
+    WINDOW_OPEN = "window_open"
+    INCONCLUSIVE = "inconclusive"
+
+
+@dataclass(frozen=True)
+class EffectRecord:
+    """A ledger entry as stored (payloads decrypted only on request).
+
+    Attributes:
+        key_id: The entry's id (hex of the keyed idempotency key).
+        tenant: Tenant.
+        run_id: The run, if the effect belongs to one.
+        step_id: The step, if any.
+        effect: ``name@version``.
+        fingerprint: Keyed fingerprint of the canonical arguments.
+        provider_key: The key sent downstream.
+        provider_class: A, B or C.
+        window_s: Class A dedup window in seconds.
+        status: Current status.
+        epoch: Fencing epoch; bumped by every re-claim.
+        lease_owner: Worker holding the claim, if CLAIMED.
+        lease_expires_at: When that claim lapses.
+        attempts: Sends attempted so far.
+        outcome_class: The last attempt's classified outcome.
+        subject: The data subject whose key encrypts the payloads.
+        secret_id: The secret the key was derived with.
+        first_sent_at: When the first attempt was claimed (class A window start).
+        created_at: UNIX seconds.
+        updated_at: UNIX seconds.
+    """
+
+    key_id: str
+    tenant: str
+    run_id: str | None
+    step_id: str | None
+    effect: str
+    fingerprint: str
+    provider_key: str
+    provider_class: ProviderClass
+    window_s: float | None
+    status: EffectStatus
+    epoch: int
+    lease_owner: str | None
+    lease_expires_at: float | None
+    attempts: int
+    outcome_class: OutcomeClass | None
+    subject: str
+    secret_id: str
+    first_sent_at: float | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class Claim:
+    """This worker may act now: the intent is durable and fenced by ``epoch``.
+
+    Send ``provider_key`` (and ``fencing_token`` where the provider checks one) with the
+    call, then record the outcome with ``Ledger.commit`` / ``fail`` / ``mark_unknown``.
+    """
+
+    key_id: str
+    epoch: int
+    provider_key: str
+    attempt: int
+    lease_owner: str
+    lease_expires_at: float
+    provider_class: ProviderClass
+    subject: str
+    chain: str
+    resend: bool = False
+
+    @property
+    def fencing_token(self) -> str:
+        """``<provider key>:<epoch>``: providers that check it refuse stale epochs."""
+        return f"{self.provider_key}:{self.epoch}"
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The effect already has a definite outcome: return it, do not act.
+
+    Attributes:
+        record: The entry.
+        result: The recorded result (COMMITTED).
+        error: The recorded error info ``{"type", "message", ...}`` (FAILED).
+    """
+
+    record: EffectRecord
+    result: Any = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class InFlightPolicy:
+    """What a claimer does when another worker holds a live claim on the same key.
+
+    Attributes:
+        wait_s: How long to wait for that claim's outcome (0: raise EffectInFlight now).
+        initial_backoff_s: First pause between polls; doubles up to ``max_backoff_s``.
+        max_backoff_s: Longest pause.
+    """
+
+    wait_s: float = 5.0
+    initial_backoff_s: float = 0.005
+    max_backoff_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.wait_s < 0 or self.initial_backoff_s <= 0 or self.max_backoff_s <= 0:
+            raise ConfigurationError("InFlightPolicy times must be positive")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """When finished ledger entries may go.
+
+    An entry is kept at least until its class-A dedup window has closed and it is older
+    than ``older_than_s``, and while its run still exists. Entries that are CLAIMED,
+    UNKNOWN or NEEDS_HUMAN are never removed.
+
+    Attributes:
+        older_than_s: Minimum age since the last update.
+        archive_path: Append removed entries (metadata, ciphertexts as hex) to this JSONL.
+    """
+
+    older_than_s: float
+    archive_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.older_than_s < 0:
+            raise ConfigurationError("RetentionPolicy.older_than_s must be >= 0")
