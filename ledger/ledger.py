@@ -10,12 +10,16 @@ hash-chained audit event in the same transaction.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import json
+import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -150,9 +154,7 @@ class Ledger:
             raise ConfigurationError("lease_s must be > 0")
         self.store = store
         self.keyring = keyring
-        self.owner = (
-            owner or f"{socket.gethostname()}:{__import__('os').getpid()}:{uuid.uuid4().hex[:6]}"
-        )
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.lease_s = lease_s
         self.in_flight = in_flight or InFlightPolicy()
         self.codec = Codec()
@@ -165,6 +167,7 @@ class Ledger:
         self._terminal: dict[str, Row] = {}
         self._prefetched: set[str] = set()
         self._poisoned: BaseException | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         ensure_schema(store.engine, "ledger", _schema.LEDGER_MIGRATIONS, create=create)
 
     # -- fail closed --------------------------------------------------------------------
@@ -406,6 +409,105 @@ class Ledger:
             chain=row["chain"],
             resend=resend,
         )
+
+    # -- the one claim/act/record path ------------------------------------------------
+    def perform(
+        self,
+        identity: EffectIdentity,
+        args: Any,
+        act: Callable[[Claim], T],
+        *,
+        provider_class: ProviderClass | str = ProviderClass.OPAQUE,
+        window_s: float | None = None,
+        subject: str | None = None,
+        classify: Callable[[BaseException], OutcomeClass] | None = None,
+    ) -> T:
+        """Claim, act once, record the outcome; or return the recorded result.
+
+        ``act`` receives the :class:`Claim` (send ``claim.provider_key`` downstream). If it
+        raises, ``classify`` decides by evidence: NOT_SENT releases the claim (a later
+        call may send), REJECTED records a definite failure, anything else (the default:
+        we cannot know whether it happened) records UNKNOWN. The exception is re-raised.
+
+        Raises:
+            Everything :meth:`claim` raises, and whatever ``act`` raised.
+        """
+        out = self.claim(
+            identity, args, provider_class=provider_class, window_s=window_s, subject=subject
+        )
+        if isinstance(out, Replay):
+            return out.result  # type: ignore[no-any-return]
+        try:
+            result = act(out)
+        except BaseException as exc:
+            self._record_failure(out, exc, classify)
+            raise
+        self.commit(out, result)
+        return result
+
+    async def aperform(
+        self,
+        identity: EffectIdentity,
+        args: Any,
+        act: Callable[[Claim], Awaitable[T]],
+        *,
+        provider_class: ProviderClass | str = ProviderClass.OPAQUE,
+        window_s: float | None = None,
+        subject: str | None = None,
+        classify: Callable[[BaseException], OutcomeClass] | None = None,
+    ) -> T:
+        """:meth:`perform` for coroutines. Ledger writes run on a thread pool, so with
+        ``async`` store durability concurrent calls share group commits."""
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(
+            self._executor(),
+            lambda: self.claim(
+                identity, args, provider_class=provider_class, window_s=window_s, subject=subject
+            ),
+        )
+        if isinstance(out, Replay):
+            return out.result  # type: ignore[no-any-return]
+        try:
+            result = await act(out)
+        except BaseException as exc:
+            await loop.run_in_executor(
+                self._executor(), functools.partial(self._record_failure, out, exc, classify)
+            )
+            raise
+        await loop.run_in_executor(self._executor(), lambda: self.commit(out, result))
+        return result
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=64, thread_name_prefix="onceonly-ledger"
+                )
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the async helper threads (the store is closed by its owner)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _record_failure(
+        self,
+        claim: Claim,
+        exc: BaseException,
+        classify: Callable[[BaseException], OutcomeClass] | None,
+    ) -> None:
+        outcome = OutcomeClass.AMBIGUOUS if classify is None else classify(exc)
+        detail = f"{type(exc).__name__}: {exc}"[:500]
+        if outcome is OutcomeClass.NOT_SENT:
+            self.release(claim, detail)
+        elif outcome is OutcomeClass.REJECTED:
+            self.fail(claim, type(exc).__name__, str(exc))
+        elif outcome is OutcomeClass.SUCCEEDED:
+            raise ConfigurationError("an exception cannot be classified as succeeded") from exc
+        else:
+            self.mark_unknown(claim, detail)
 
     # -- outcomes -----------------------------------------------------------------------
     def commit(self, claim: Claim, result: Any) -> EffectRecord:
