@@ -11,13 +11,28 @@ the whole store is detected too.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
 
-__all__ = ["AuditReport", "event_hash", "row_digest"]
+from checkpoint import Store
+
+from ._schema import COLUMNS
+
+_SELECT_EFFECTS = "SELECT " + ", ".join(COLUMNS) + " FROM oo_effects"
+
+
+def _effect_row(values: Sequence[Any]) -> dict[str, Any]:
+    row = dict(zip(COLUMNS, values, strict=True))
+    for c in ("args_ct", "result_ct", "error_ct"):
+        if row[c] is not None:
+            row[c] = bytes(row[c])
+    return row
+
+
+__all__ = ["AuditReport", "event_hash", "export_witness", "row_digest", "verify_store"]
 
 GENESIS = bytes(32)
 
@@ -122,3 +137,143 @@ class AuditReport:
                 "problems": self.problems,
             }
         )
+
+
+def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
+    """Verify every audit chain, effect row, blob and checkpoint row of a store."""
+    report = AuditReport()
+    retired: set[str] = set()
+
+    def scan(cur: Any) -> None:
+        cur.execute("SELECT chain, seq, hash FROM oo_audit_heads ORDER BY chain")
+        heads = {c: (int(s), bytes(h)) for c, s, h in cur.fetchall()}
+        cur.execute(
+            "SELECT chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
+            "prev_hash, hash FROM oo_audit ORDER BY chain, seq"
+        )
+        events = cur.fetchall()
+        cur.execute(_SELECT_EFFECTS)
+        rows = [_effect_row(r) for r in cur.fetchall()]
+        last: dict[str, tuple[str, bytes, str]] = {}
+        by_chain: dict[str, list[Any]] = {}
+        for ev in events:
+            by_chain.setdefault(ev[0], []).append(ev)
+        report.chains = len(set(heads) | set(by_chain))
+        for chain in sorted(set(heads) | set(by_chain)):
+            evs = by_chain.get(chain, [])
+            prev = GENESIS
+            expect_seq = 1
+            for ev in evs:
+                report.events += 1
+                (c, seq, key_id, event, epoch, status, actor, detail, digest, at, prev_h, h) = ev
+                if int(seq) != expect_seq:
+                    report.problems.append(
+                        f"chain {c!r}: event {expect_seq} missing or out of order (found {seq})"
+                    )
+                    expect_seq = int(seq)
+                if bytes(prev_h) != prev:
+                    report.problems.append(
+                        f"chain {c!r} event {seq}: does not link to the event before it"
+                    )
+                calc = event_hash(
+                    prev,
+                    c,
+                    int(seq),
+                    key_id,
+                    event,
+                    int(epoch),
+                    status,
+                    actor,
+                    detail,
+                    bytes(digest),
+                    float(at),
+                )
+                if calc != bytes(h):
+                    report.problems.append(f"chain {c!r} event {seq}: edited (hash mismatch)")
+                prev = bytes(h)
+                expect_seq += 1
+                last[key_id] = (c, bytes(digest), event)
+                if event == "retired":
+                    retired.add(key_id)
+                elif key_id in retired:
+                    retired.discard(key_id)
+            head = heads.get(chain)
+            if head is None:
+                report.problems.append(f"chain {chain!r}: events without a chain head")
+            elif evs and (head[0] != int(evs[-1][1]) or head[1] != bytes(evs[-1][11])):
+                report.problems.append(
+                    f"chain {chain!r}: head does not match its last event "
+                    f"(events deleted or forged)"
+                )
+            elif not evs:
+                report.problems.append(f"chain {chain!r}: head without events")
+        seen = set()
+        for row in rows:
+            report.effects += 1
+            seen.add(row["key_id"])
+            info = last.get(row["key_id"])
+            if info is None:
+                report.problems.append(f"effect {row['key_id']}: row has no audit events (forged)")
+                continue
+            if info[0] != row["chain"]:
+                report.problems.append(
+                    f"effect {row['key_id']}: row moved from chain {info[0]!r} to {row['chain']!r}"
+                )
+            elif info[1] != row_digest(row):
+                report.problems.append(
+                    f"effect {row['key_id']}: row differs from its last audited state (edited)"
+                )
+        for key_id in sorted(set(last) - seen - retired):
+            report.problems.append(f"effect {key_id}: row deleted (its events remain)")
+        if witness is not None:
+            report.problems.extend(_check_witness(witness, heads, by_chain))
+
+    store.read(scan)
+    checked, problems = store.verify_integrity()
+    report.blobs = checked
+    report.problems.extend(problems)
+    return report
+
+
+def export_witness(store: Store, path: str, now: float) -> dict[str, Any]:
+    """Write every chain's head and a digest over them to ``path``; return the document."""
+
+    def scan(cur: Any) -> dict[str, list[Any]]:
+        cur.execute("SELECT chain, seq, hash FROM oo_audit_heads ORDER BY chain")
+        return {c: [int(s), bytes(h).hex()] for c, s, h in cur.fetchall()}
+
+    heads = store.read(scan)
+    import blake3  # noqa: PLC0415
+
+    digest = blake3.blake3(json.dumps(heads, sort_keys=True).encode()).hexdigest()
+    doc = {"version": 1, "created_at": now, "heads": heads, "digest": digest}
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, sort_keys=True)
+    return doc
+
+
+def _check_witness(
+    path: str, heads: Mapping[str, tuple[int, bytes]], by_chain: Mapping[str, list[Any]]
+) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+        witnessed = doc["heads"]
+    except (OSError, ValueError, KeyError) as exc:
+        yield f"witness {path}: unreadable ({exc})"
+        return
+    for chain, (seq, hexhash) in sorted(witnessed.items()):
+        head = heads.get(chain)
+        if head is None:
+            yield f"chain {chain!r}: witnessed at event {seq} but gone from the store (rolled back)"
+            continue
+        if head[0] < int(seq):
+            yield (
+                f"chain {chain!r}: store is at event {head[0]}, below the witnessed {seq} "
+                f"(rolled back)"
+            )
+            continue
+        evs = by_chain.get(chain, [])
+        match = [e for e in evs if int(e[1]) == int(seq)]
+        if not match or bytes(match[0][11]).hex() != hexhash:
+            yield f"chain {chain!r}: event {seq} differs from the witnessed one (history rewritten)"

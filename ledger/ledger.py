@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,7 +29,7 @@ from checkpoint import Codec, Store, ensure_schema
 from checkpoint.errors import ConfigurationError, CorruptRecord, OnceOnlyError, StoreError
 
 from . import _schema
-from .audit import GENESIS, AuditReport, event_hash, row_digest
+from .audit import GENESIS, AuditReport, event_hash, export_witness, row_digest, verify_store
 from .crypto import Sealer
 from .errors import (
     EffectFailed,
@@ -1160,103 +1160,7 @@ class Ledger:
         Detects edited, deleted, reordered or forged events and rows, rows moved between
         runs, and a store restored below the witnessed heads.
         """
-        report = AuditReport()
-        retired: set[str] = set()
-
-        def scan(cur: Any) -> None:
-            cur.execute("SELECT chain, seq, hash FROM oo_audit_heads ORDER BY chain")
-            heads = {c: (int(s), bytes(h)) for c, s, h in cur.fetchall()}
-            cur.execute(
-                "SELECT chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
-                "prev_hash, hash FROM oo_audit ORDER BY chain, seq"
-            )
-            events = cur.fetchall()
-            cur.execute(_SELECT)
-            rows = [_row(r) for r in cur.fetchall()]
-            last: dict[str, tuple[str, bytes, str]] = {}
-            by_chain: dict[str, list[Any]] = {}
-            for ev in events:
-                by_chain.setdefault(ev[0], []).append(ev)
-            report.chains = len(set(heads) | set(by_chain))
-            for chain in sorted(set(heads) | set(by_chain)):
-                evs = by_chain.get(chain, [])
-                prev = GENESIS
-                expect_seq = 1
-                for ev in evs:
-                    report.events += 1
-                    (c, seq, key_id, event, epoch, status, actor, detail, digest, at, prev_h, h) = (
-                        ev
-                    )
-                    if int(seq) != expect_seq:
-                        report.problems.append(
-                            f"chain {c!r}: event {expect_seq} missing or out of order (found {seq})"
-                        )
-                        expect_seq = int(seq)
-                    if bytes(prev_h) != prev:
-                        report.problems.append(
-                            f"chain {c!r} event {seq}: does not link to the event before it"
-                        )
-                    calc = event_hash(
-                        prev,
-                        c,
-                        int(seq),
-                        key_id,
-                        event,
-                        int(epoch),
-                        status,
-                        actor,
-                        detail,
-                        bytes(digest),
-                        float(at),
-                    )
-                    if calc != bytes(h):
-                        report.problems.append(f"chain {c!r} event {seq}: edited (hash mismatch)")
-                    prev = bytes(h)
-                    expect_seq += 1
-                    last[key_id] = (c, bytes(digest), event)
-                    if event == "retired":
-                        retired.add(key_id)
-                    elif key_id in retired:
-                        retired.discard(key_id)
-                head = heads.get(chain)
-                if head is None:
-                    report.problems.append(f"chain {chain!r}: events without a chain head")
-                elif evs and (head[0] != int(evs[-1][1]) or head[1] != bytes(evs[-1][11])):
-                    report.problems.append(
-                        f"chain {chain!r}: head does not match its last event "
-                        f"(events deleted or forged)"
-                    )
-                elif not evs:
-                    report.problems.append(f"chain {chain!r}: head without events")
-            seen = set()
-            for row in rows:
-                report.effects += 1
-                seen.add(row["key_id"])
-                info = last.get(row["key_id"])
-                if info is None:
-                    report.problems.append(
-                        f"effect {row['key_id']}: row has no audit events (forged)"
-                    )
-                    continue
-                if info[0] != row["chain"]:
-                    report.problems.append(
-                        f"effect {row['key_id']}: row moved from chain {info[0]!r} "
-                        f"to {row['chain']!r}"
-                    )
-                elif info[1] != row_digest(row):
-                    report.problems.append(
-                        f"effect {row['key_id']}: row differs from its last audited state (edited)"
-                    )
-            for key_id in sorted(set(last) - seen - retired):
-                report.problems.append(f"effect {key_id}: row deleted (its events remain)")
-            if witness is not None:
-                report.problems.extend(_check_witness(witness, heads, by_chain))
-
-        self.store.read(scan)
-        checked, problems = self.store.verify_integrity()
-        report.blobs = checked
-        report.problems.extend(problems)
-        return report
+        return verify_store(self.store, witness=witness)
 
     def export_witness(self, path: str) -> dict[str, Any]:
         """Write every chain's head (and a digest over them) to an external witness file.
@@ -1264,19 +1168,7 @@ class Ledger:
         Keep the file outside the database (another host, object storage with versioning):
         :meth:`verify` with ``witness=path`` detects a store rolled back below it.
         """
-
-        def scan(cur: Any) -> dict[str, list[Any]]:
-            cur.execute("SELECT chain, seq, hash FROM oo_audit_heads ORDER BY chain")
-            return {c: [int(s), bytes(h).hex()] for c, s, h in cur.fetchall()}
-
-        heads = self.store.read(scan)
-        import blake3  # noqa: PLC0415
-
-        digest = blake3.blake3(json.dumps(heads, sort_keys=True).encode()).hexdigest()
-        doc = {"version": 1, "created_at": self._clock(), "heads": heads, "digest": digest}
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, sort_keys=True)
-        return doc
+        return export_witness(self.store, path, self._clock())
 
     # -- retention ---------------------------------------------------------------------
     def apply_retention(self, policy: RetentionPolicy) -> int:
@@ -1329,30 +1221,3 @@ class Ledger:
             self._write(txn, outcome=False)
             self._terminal.pop(row["key_id"], None)
         return len(victims)
-
-
-def _check_witness(
-    path: str, heads: Mapping[str, tuple[int, bytes]], by_chain: Mapping[str, list[Any]]
-) -> Iterator[str]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-        witnessed = doc["heads"]
-    except (OSError, ValueError, KeyError) as exc:
-        yield f"witness {path}: unreadable ({exc})"
-        return
-    for chain, (seq, hexhash) in sorted(witnessed.items()):
-        head = heads.get(chain)
-        if head is None:
-            yield f"chain {chain!r}: witnessed at event {seq} but gone from the store (rolled back)"
-            continue
-        if head[0] < int(seq):
-            yield (
-                f"chain {chain!r}: store is at event {head[0]}, below the witnessed {seq} "
-                f"(rolled back)"
-            )
-            continue
-        evs = by_chain.get(chain, [])
-        match = [e for e in evs if int(e[1]) == int(seq)]
-        if not match or bytes(match[0][11]).hex() != hexhash:
-            yield f"chain {chain!r}: event {seq} differs from the witnessed one (history rewritten)"
