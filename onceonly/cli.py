@@ -11,6 +11,9 @@ from rich.console import Console
 from rich.table import Table
 
 from checkpoint import OnceOnlyError, Store, migrate
+from checkpoint.errors import ConfigurationError
+from ledger import EffectRecord, Keyring, Ledger, Secret
+from ledger import _schema as ledger_schema
 
 DEFAULT_URL = "sqlite:///onceonly.db"
 _URL_HELP = "Database URL (env ONCEONLY_DATABASE_URL; default sqlite:///onceonly.db)."
@@ -39,8 +42,193 @@ def demo_cmd(db: str | None) -> None:
 @click.option("--url", default=None, help=_URL_HELP)
 @click.option("--sql", is_flag=True, help="Print the SQL instead of running it.")
 def migrate_cmd(url: str | None, sql: bool) -> None:
-    """Create or upgrade the database schema."""
-    click.echo(migrate(_url(url), sql=sql), nl=not sql)
+    """Create or upgrade the database schema (checkpoint core and effects ledger)."""
+    from checkpoint import apply_migrations, pending_sql  # noqa: PLC0415
+    from checkpoint._engine import make_engine  # noqa: PLC0415
+
+    target = _url(url)
+    click.echo(migrate(target, sql=sql), nl=not sql)
+    engine = make_engine(target, busy_timeout_ms=5000)
+    try:
+        if sql:
+            click.echo(pending_sql(engine, "ledger", ledger_schema.LEDGER_MIGRATIONS), nl=False)
+        else:
+            n = apply_migrations(engine, "ledger", ledger_schema.LEDGER_MIGRATIONS)
+            click.echo(
+                f"ledger schema: applied {n} migration(s); now at version "
+                f"{ledger_schema.LEDGER_SCHEMA_VERSION}"
+            )
+    finally:
+        engine.dispose()
+
+
+def _keyring(required: bool) -> Keyring:
+    try:
+        return Keyring.from_env()
+    except ConfigurationError:
+        if required:
+            raise
+        # Listing, showing metadata and verifying need no secret; a throwaway keyring
+        # keeps the Ledger usable for them and can decrypt nothing.
+        import os as _os  # noqa: PLC0415
+
+        return Keyring([Secret("read-only", _os.urandom(32))])
+
+
+def _record_json(rec: EffectRecord) -> dict[str, object]:
+    d = dict(rec.__dict__)
+    for k in ("status", "provider_class", "outcome_class"):
+        d[k] = None if d[k] is None else str(d[k])
+    return d
+
+
+@cli.group("effects")
+def effects() -> None:
+    """Inspect and resolve effects in the ledger."""
+
+
+@effects.command("list")
+@click.option("--url", default=None, help=_URL_HELP)
+@click.option("--run", "run_id", default=None, help="Only this run's effects.")
+@click.option("--status", default=None, help="Only effects with this status.")
+@click.option("--effect", default=None, help="Only this effect name@version.")
+@click.option("--since", type=float, default=None, help="Updated at or after (UNIX seconds).")
+@click.option("--until", type=float, default=None, help="Updated before (UNIX seconds).")
+@click.option("--limit", type=int, default=None)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def effects_list(
+    url: str | None,
+    run_id: str | None,
+    status: str | None,
+    effect: str | None,
+    since: float | None,
+    until: float | None,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """List effects, newest first."""
+    with Store.open(_url(url), create=False) as store:
+        ledger = Ledger(store, _keyring(required=False), create=False)
+        rows = ledger.effects(
+            run_id=run_id, status=status, effect=effect, since=since, until=until, limit=limit
+        )
+    if as_json:
+        click.echo(json.dumps([_record_json(r) for r in rows]))
+        return
+    table = Table(title="effects")
+    for col in ("key id", "effect", "run", "status", "class", "epoch", "attempts"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r.key_id[:16] + "…",
+            r.effect,
+            r.run_id or "-",
+            r.status.value,
+            r.provider_class.value,
+            str(r.epoch),
+            str(r.attempts),
+        )
+    Console().print(table)
+
+
+@effects.command("show")
+@click.argument("key_id")
+@click.option("--url", default=None, help=_URL_HELP)
+@click.option("--payload", is_flag=True, help="Decrypt arguments/result (needs ONCEONLY_SECRETS).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def effects_show(key_id: str, url: str | None, payload: bool, as_json: bool) -> None:
+    """Show one effect, its audit events and (with --payload) its decrypted payload."""
+    with Store.open(_url(url), create=False) as store:
+        ledger = Ledger(store, _keyring(required=payload), create=False)
+        rec = ledger.get(key_id)
+        events = [
+            {k: (v.hex() if isinstance(v, bytes | memoryview) else v) for k, v in e.items()}
+            for e in ledger.audit_events(rec.run_id or f"tenant:{rec.tenant}")
+            if e["key_id"] == key_id
+        ]
+        doc: dict[str, object] = {"effect": _record_json(rec), "events": events}
+        if payload:
+            doc["payload"] = json.loads(ledger.codec.encode(ledger.payload(key_id)))
+    if as_json:
+        click.echo(json.dumps(doc, default=str))
+        return
+    Console().print_json(json.dumps(doc, default=str))
+
+
+@effects.command("resolve")
+@click.argument("key_id")
+@click.option("--url", default=None, help=_URL_HELP)
+@click.option("--happened/--not-happened", default=None, help="What the provider shows.")
+@click.option("--evidence", required=True, help="What you checked (recorded in the audit).")
+@click.option("--actor", default=None, help="Your identity (default: $USER).")
+@click.option("--result", default=None, help="The provider's result as JSON (--happened).")
+def effects_resolve(
+    key_id: str,
+    url: str | None,
+    happened: bool | None,
+    evidence: str,
+    actor: str | None,
+    result: str | None,
+) -> None:
+    """Resolve an in-doubt effect with evidence (recorded with your identity)."""
+    if happened is None:
+        raise click.UsageError("say --happened or --not-happened")
+    try:
+        value = None if result is None else json.loads(result)
+    except ValueError as exc:
+        raise click.UsageError(f"--result is not JSON: {exc}") from exc
+    who = actor or os.environ.get("USER") or os.environ.get("LOGNAME") or "operator"
+    with Store.open(_url(url), create=False) as store:
+        ledger = Ledger(store, _keyring(required=True), create=False)
+        rec = ledger.resolve(key_id, happened=happened, evidence=evidence, actor=who, result=value)
+    click.echo(f"{rec.key_id}: {rec.status.value} (epoch {rec.epoch}), resolved by {who}")
+
+
+@cli.group("audit")
+def audit() -> None:
+    """Verify and export the audit trail."""
+
+
+@audit.command("verify")
+@click.option("--url", default=None, help=_URL_HELP)
+@click.option("--witness", type=click.Path(dir_okay=False), default=None, help="Witness file.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
+    """Check every chain, effect row, blob and checkpoint; exit 1 on any problem."""
+    with Store.open(_url(url), create=False) as store:
+        ledger = Ledger(store, _keyring(required=False), create=False)
+        report = ledger.verify(witness=witness)
+    if as_json:
+        click.echo(report.to_json())
+    else:
+        con = Console()
+        con.print(
+            f"chains {report.chains}, events {report.events}, effects {report.effects}, "
+            f"blobs and checkpoints {report.blobs}"
+        )
+        for p in report.problems:
+            con.print(f"[red]problem:[/red] {p}")
+        con.print(
+            "[green]OK[/green]" if report.ok else f"[red]{len(report.problems)} problem(s)[/red]"
+        )
+    if not report.ok:
+        sys.exit(1)
+
+
+@audit.command("export")
+@click.option("--url", default=None, help=_URL_HELP)
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="JSONL file.")
+@click.option(
+    "--witness", type=click.Path(dir_okay=False), default=None, help="Also write a witness."
+)
+def audit_export(url: str | None, out: str, witness: str | None) -> None:
+    """Export every effect (metadata, no payloads) to JSONL, and optionally a witness."""
+    with Store.open(_url(url), create=False) as store:
+        ledger = Ledger(store, _keyring(required=False), create=False)
+        n = ledger.export_jsonl(out)
+        if witness:
+            ledger.export_witness(witness)
+    click.echo(f"exported {n} effect(s) to {out}" + (f"; witness in {witness}" if witness else ""))
 
 
 @cli.group("runs")
