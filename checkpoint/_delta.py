@@ -18,7 +18,6 @@ keyframe seals full chunks once and refers to old ones by hash.
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -212,8 +211,14 @@ def plain(v: Any) -> Any:
 # -- structural equality and private copies -------------------------------------------
 
 
-def same(a: Any, b: Any) -> bool:
-    """Equality that also requires equal types, all the way down (1 != 1.0 != True)."""
+def same(a: Any, b: Any, codec: Codec) -> bool:
+    """Whether ``a`` and ``b`` would be stored identically.
+
+    Stricter than ``==``: types must match all the way down (``1``, ``1.0`` and ``True``
+    differ; so do ``0.0`` and ``-0.0``, or equal instants with different UTC offsets).
+    Plain containers of plain values are compared directly; anything else by its
+    canonical encoding.
+    """
     if a is b:
         return True
     ta = type(a)
@@ -222,14 +227,17 @@ def same(a: Any, b: Any) -> bool:
     if ta is str or ta is int or ta is bytes or ta is bool:
         return bool(a == b)
     if ta is float:
-        return bool(a == b) or (math.isnan(a) and math.isnan(b))
+        return bool(a.hex() == b.hex())  # keeps -0.0 apart from 0.0; nan matches nan
     if ta is list or ta is tuple:
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if ta is dict:
+        return len(a) == len(b) and all(same(x, y, codec) for x, y in zip(a, b, strict=True))
+    if ta is dict and _pageable(a) and _pageable(b):
         if len(a) != len(b):
             return False
-        return all(k in b and same(x, b[k]) for k, x in a.items())
-    return bool(a == b)
+        return all(k in b and same(x, b[k], codec) for k, x in a.items())
+    try:
+        return codec.encode(a) == codec.encode(b)
+    except CodecError:
+        return False
 
 
 def private_copy(v: Any) -> Any:
@@ -266,22 +274,24 @@ def check_channel(ch: object) -> None:
         raise CodecError(f"channel names must be strings not starting with NUL: {ch!r}")
 
 
-def _list_diff(o: Any, v: Any) -> Op | None:
+def _list_diff(o: Any, v: Any, codec: Codec) -> Op | None:
     """Append op, set op, or None (unchanged) for a list channel."""
     if type(o) is ChunkedList and type(v) is ChunkedList and o._chunks == v._chunks:
         n = len(o._tail)
         tail = v._tail
-        if len(tail) >= n and all(same(x, y) for x, y in zip(o._tail, tail[:n], strict=True)):
+        if len(tail) >= n and all(
+            same(x, y, codec) for x, y in zip(o._tail, tail[:n], strict=True)
+        ):
             return ("a", tail[n:]) if len(tail) > n else None
         return ("s", v.to_list())
     ol, vl = plain(o), plain(v)
     n = len(ol)
-    if len(vl) >= n and all(same(x, y) for x, y in zip(ol, vl[:n], strict=True)):
+    if len(vl) >= n and all(same(x, y, codec) for x, y in zip(ol, vl[:n], strict=True)):
         return ("a", vl[n:]) if len(vl) > n else None
     return ("s", vl)
 
 
-def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Op]:
+def diff(old: Mapping[str, Any], new: Mapping[str, Any], codec: Codec) -> dict[str, Op]:
     """The ops that turn ``old`` into ``new``."""
     ops: dict[str, Op] = {}
     for ch, v in new.items():
@@ -294,8 +304,8 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Op]:
             # The caller handed back our own object; state is always compared by value.
             continue
         to, tv = type(o), type(v)
-        if to is dict and tv is dict and _pageable(v):
-            changed = {k: x for k, x in v.items() if k not in o or not same(o[k], x)}
+        if to is dict and tv is dict and _pageable(v) and _pageable(o):
+            changed = {k: x for k, x in v.items() if k not in o or not same(o[k], x, codec)}
             deleted = [k for k in o if k not in v]
             if not changed and not deleted:
                 continue
@@ -304,10 +314,10 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Op]:
             else:
                 ops[ch] = ("m", changed, sorted(deleted))
         elif to in (list, ChunkedList) and tv in (list, ChunkedList):
-            op = _list_diff(o, v)
+            op = _list_diff(o, v, codec)
             if op is not None:
                 ops[ch] = op
-        elif not same(o, v):
+        elif not same(o, v, codec):
             ops[ch] = ("s", plain(v))
     for ch in old:
         if ch not in new:

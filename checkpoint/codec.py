@@ -198,13 +198,18 @@ class Codec:
         ((k, x),) = d.items()
         if k[:1] != _TAG:
             return d
-        decoder = _DECODERS.get(k)
-        if decoder is not None:
-            return decoder(x)
-        if k == "\x00c":
-            return self._dataclass(x)
-        if k == "\x00m":
-            return {(_hashable(p[0])): p[1] for p in x}
+        try:
+            decoder = _DECODERS.get(k)
+            if decoder is not None:
+                return decoder(x)
+            if k == "\x00c":
+                return self._dataclass(x)
+            if k == "\x00m":
+                return {(_hashable(p[0])): p[1] for p in x}
+        except CorruptRecord:
+            raise
+        except Exception as exc:
+            raise CorruptRecord(f"malformed {k[1:]!r} value ({type(exc).__name__}: {exc})") from exc
         if not self._strict:
             return {"$unknown": k[1:], "value": x}
         raise UnknownCodecTag(f"unknown codec tag {k[1:]!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -177,6 +178,9 @@ class Store:
         self._async_error: BaseException | None = None
         self._writer: threading.Thread | None = None
         self._closed = False
+        self._local = threading.local()
+        self._pinned: list[Any] = []
+        self._pin_lock = threading.Lock()
         _check_schema(engine, create=create)
         self._sql = _SQL(self._dialect)
         if self.durability is Durability.ASYNC:
@@ -243,6 +247,7 @@ class Store:
             if self._writer is not None:
                 self._queue.put(None)
                 self._writer.join()
+            self._close_pinned()
             self.engine.dispose()
 
     def _check_open(self) -> None:
@@ -281,6 +286,48 @@ class Store:
                         self._heads.clear()
                         raise
         self._check_open()
+
+    # -- pinned connections -------------------------------------------------------------
+    def _checkout(self) -> tuple[Any, bool]:
+        local = self._local
+        conn = getattr(local, "conn", None)
+        if getattr(local, "busy", False):
+            return self.engine.raw_connection(), False  # nested: a pooled one
+        if conn is None:
+            conn = self.engine.raw_connection()
+            local.conn = conn
+            with self._pin_lock:
+                self._pinned.append(conn)
+        local.busy = True
+        return conn, True
+
+    def _checkin(self, conn: Any, pinned: bool) -> None:
+        if not pinned:
+            conn.close()
+            return
+        self._local.busy = False
+        if self._closed:
+            self._discard(conn, pinned, invalidate=False)
+
+    def _discard(self, conn: Any, pinned: bool, *, invalidate: bool = True) -> None:
+        if pinned:
+            self._local.busy = False
+            self._local.conn = None
+            with self._pin_lock:
+                if conn in self._pinned:
+                    self._pinned.remove(conn)
+        with contextlib.suppress(*DRIVER_ERRORS):
+            if invalidate:
+                conn.invalidate()
+            else:
+                conn.close()
+
+    def _close_pinned(self) -> None:
+        with self._pin_lock:
+            conns, self._pinned = self._pinned, []
+        for conn in conns:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
 
     # -- transactions for upper layers --------------------------------------------------
     @property
@@ -337,7 +384,7 @@ class Store:
     def read(self, fn: Callable[[Any], T]) -> T:
         """Run ``fn(cursor)`` in a read-only transaction (one snapshot on SQLite)."""
         self._check_open()
-        with translate("read"), _RawTxn(self.engine, self._sql, write=False) as cur:
+        with translate("read"), _RawTxn(self, write=False) as cur:
             return fn(cur)
 
     # -- runs --------------------------------------------------------------------------
@@ -536,7 +583,7 @@ class Store:
         with self._lock:
             self._check_open()
             head = self._head(run_id)
-            ops = _delta.diff(head.state if head else {}, state)
+            ops = _delta.diff(head.state if head else {}, state, self.codec)
             return self._commit_ops(
                 run_id, head, ops, step, next_step, status, source, schema_version, handoff
             )
@@ -612,16 +659,16 @@ class Store:
             run_values["next_step"] = next_step
         if status is not None:
             run_values["status"] = RunStatus(status).value
+        # Encode the delta first: it validates every new value, so an unencodable one
+        # fails here with nothing written and the cached head untouched.
+        enc = _delta.encode_delta(self.codec, ops)
         if head is None:
             run = self.get_run(run_id)
             version = schema_version or run.state_version
-            new_state: dict[str, Any] = {}
-            _delta.apply(new_state, _copy_ops(ops), where="save")
-            new_head = _Head(-1, 0, 0, 0, 0, version, new_state)
+            new_head = _Head(-1, 0, 0, 0, 0, version, {})
         else:
             version = schema_version or head.schema_version
             new_head = head
-            _delta.apply(head.state, _copy_ops(ops), where="save")
         run_values["state_version"] = version
         seq = new_head.seq + 1
         policy = self.keyframes
@@ -632,17 +679,17 @@ class Store:
             or new_head.delta_bytes >= policy.replay_ratio * max(new_head.keyframe_bytes, 1)
         )
         try:
+            for ch, op in ops.items():
+                if op[0] != "a":  # the sealed chunks remembered for it no longer apply
+                    new_head.lists.pop(ch, None)
+            _delta.apply(new_head.state, _copy_ops(ops), where="save")
             if keyframe:
                 enc = _delta.encode_keyframe(self.codec, new_head.state, new_head.lists)
                 kind, kf_seq = _KEYFRAME, seq
             else:
-                enc = _delta.encode_delta(self.codec, ops)
-                for ch, op in ops.items():
-                    if op[0] != "a":
-                        new_head.lists.pop(ch, None)
                 kind, kf_seq = _DELTA, new_head.keyframe_seq
         except BaseException:
-            self._heads.pop(run_id, None)  # the cached state already holds the change
+            self._heads.pop(run_id, None)  # the cached state may hold part of the change
             raise
         pending = _Pending(
             run_id=run_id,
@@ -691,7 +738,7 @@ class Store:
         row, no ORM, no per-call statement compilation.
         """
         sql = self._sql
-        with translate("write checkpoints"), _RawTxn(self.engine, sql, write=True) as cur:
+        with translate("write checkpoints"), _RawTxn(self, write=True) as cur:
             for p in batch:
                 if p.blobs:
                     cur.executemany(sql.ins_blob, [(h, len(d), d) for h, d in p.blobs.items()])
@@ -867,7 +914,7 @@ class Store:
 
     def _load(self, run_id: str, seq: int | None, *, lazy: bool) -> tuple[Snapshot, _Head]:
         sql = self._sql
-        with translate("load a checkpoint"), _RawTxn(self.engine, sql, write=False) as cur:
+        with translate("load a checkpoint"), _RawTxn(self, write=False) as cur:
             if seq is None:
                 cur.execute(sql.head_rows, (run_id, run_id, run_id, run_id))
             else:
@@ -977,7 +1024,7 @@ class Store:
                     "lists before closing it, or load with lazy=False"
                 )
             wanted = {bytes.fromhex(h) for h in hexes}
-            with translate("read list chunks"), _RawTxn(self.engine, self._sql, write=False) as cur:
+            with translate("read list chunks"), _RawTxn(self, write=False) as cur:
                 values, _ = self._read_blobs(cur, run_id, None, wanted)
             return {h.hex(): v for h, v in values.items()}
 
@@ -1428,32 +1475,38 @@ class _SQL:
 
 
 class _RawTxn:
-    """A transaction on a pooled DBAPI connection (hot paths only).
+    """A transaction on a DBAPI connection pinned to the calling thread (hot paths only).
 
-    SQLite writers take the lock up front (``BEGIN IMMEDIATE``) so a transaction never
-    fails half-way on a lock upgrade; readers use a deferred ``BEGIN`` for one snapshot.
+    Each thread keeps one connection between transactions, so the hot path skips the
+    pool's check-out and reset (a nested transaction in the same thread gets a pooled
+    one). SQLite writers take the lock up front (``BEGIN IMMEDIATE``) so a transaction
+    never fails half-way on a lock upgrade; readers use a deferred ``BEGIN`` for one
+    snapshot. A transaction that fails, including at COMMIT, is rolled back; a connection
+    that cannot even roll back is discarded.
     """
 
-    def __init__(self, engine: Engine, sql: _SQL, *, write: bool) -> None:
-        self._engine = engine
-        self._sqlite = sql.dialect == "sqlite"
+    def __init__(self, store: Store, *, write: bool) -> None:
+        self._store = store
+        self._sqlite = store.dialect == "sqlite"
         self._write = write
         self._conn: Any = None
         self._cur: Any = None
+        self._pinned = False
 
     def __enter__(self) -> Any:
-        self._conn = self._engine.raw_connection()
+        self._conn, self._pinned = self._store._checkout()
         try:
             self._cur = self._conn.cursor()
             if self._sqlite:
                 self._cur.execute("BEGIN IMMEDIATE" if self._write else "BEGIN")
         except BaseException:
-            self._conn.close()
+            self._store._discard(self._conn, self._pinned)
             raise
         return self._cur
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         conn = self._conn
+        done = False
         try:
             if exc_type is None:
                 if self._sqlite:
@@ -1462,7 +1515,10 @@ class _RawTxn:
                     conn.commit()
                 else:
                     conn.rollback()
-            else:
+                done = True
+        finally:
+            healthy = True
+            if not done:
                 try:
                     if self._sqlite:
                         if conn.driver_connection.in_transaction:
@@ -1470,7 +1526,12 @@ class _RawTxn:
                     else:
                         conn.rollback()
                 except DRIVER_ERRORS:
-                    conn.invalidate()
-        finally:
-            self._cur.close()
-            conn.close()
+                    healthy = False
+            try:
+                self._cur.close()
+            except DRIVER_ERRORS:
+                healthy = False
+            if healthy:
+                self._store._checkin(conn, self._pinned)
+            else:
+                self._store._discard(conn, self._pinned)

@@ -47,9 +47,12 @@ effects = Table(
     Column("first_sent_at", Float, nullable=True),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    sqlite_with_rowid=False,
 )
+# The only secondary index: a run's effects are prefetched in one range scan. Status
+# queries (operators listing in-doubt entries) scan; indexing status would add a page
+# write to every transition on the hot path.
 effects_by_run = Index("oo_effects_run", effects.c.run_id)
-effects_by_status = Index("oo_effects_status", effects.c.status)
 
 audit = Table(
     "oo_audit",
@@ -69,16 +72,6 @@ audit = Table(
     PrimaryKeyConstraint("chain", "seq"),
     sqlite_with_rowid=False,
 )
-audit_by_key = Index("oo_audit_key", audit.c.key_id)
-
-audit_heads = Table(
-    "oo_audit_heads",
-    metadata,
-    Column("chain", String(220), primary_key=True),
-    Column("seq", Integer, nullable=False),
-    Column("hash", LargeBinary, nullable=False),
-    Column("updated_at", Float, nullable=False),
-)
 
 data_keys = Table(
     "oo_data_keys",
@@ -93,14 +86,11 @@ data_keys = Table(
 LEDGER_MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
-        "effects, hash-chained audit events per run, chain heads, wrapped data keys",
+        "effects, hash-chained audit events per run, wrapped data keys",
         (
             CreateTable(effects),
             CreateIndex(effects_by_run),
-            CreateIndex(effects_by_status),
             CreateTable(audit),
-            CreateIndex(audit_by_key),
-            CreateTable(audit_heads),
             CreateTable(data_keys),
         ),
     ),

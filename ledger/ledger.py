@@ -847,16 +847,28 @@ class Ledger:
         return new
 
     def _append(self, cur: Any, row: Row, event: str, actor: str, detail: str) -> None:
+        """Append an event to the row's chain, linked to the chain's current last event.
+
+        The insert only succeeds if the event it links to is still the last one (and its
+        sequence number is free), so a stale cached head, a rolled-back transaction or a
+        concurrent appender on another worker can never fork or gap the chain; on a miss
+        the head is re-read and the append retried.
+        """
         q = self._q
         chain = row["chain"]
         digest = row_digest(row)
         at = float(row["updated_at"])
         head = self._heads.get(chain)
-        for _ in range(3):
+        cols = (
+            "chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
+            "prev_hash, hash"
+        )
+        select = ", ".join([q] * 12)
+        for _ in range(64):
             if head is None:
-                lock = " FOR UPDATE" if self._pg else ""
                 cur.execute(
-                    f"SELECT seq, hash FROM oo_audit_heads WHERE chain = {q}{lock}", (chain,)
+                    f"SELECT seq, hash FROM oo_audit WHERE chain = {q} ORDER BY seq DESC LIMIT 1",
+                    (chain,),
                 )
                 found = cur.fetchone()
                 head = (0, GENESIS) if found is None else (int(found[0]), bytes(found[1]))
@@ -874,41 +886,38 @@ class Ledger:
                 digest,
                 at,
             )
-            if head[0] == 0:
-                cur.execute(
-                    f"INSERT INTO oo_audit_heads (chain, seq, hash, updated_at) "
-                    f"VALUES ({q}, {q}, {q}, {q}) ON CONFLICT DO NOTHING",
-                    (chain, seq, h, at),
-                )
-            else:
-                cur.execute(
-                    f"UPDATE oo_audit_heads SET seq = {q}, hash = {q}, updated_at = {q} "
-                    f"WHERE chain = {q} AND seq = {q}",
-                    (seq, h, at, chain, head[0]),
-                )
-            if cur.rowcount != 1:
-                head = None  # another writer moved the head: re-read it and chain after it
-                continue
-            cur.execute(
-                "INSERT INTO oo_audit (chain, seq, key_id, event, epoch, status, actor, detail, "
-                f"row_digest, at, prev_hash, hash) VALUES ({', '.join([q] * 12)})",
-                (
-                    chain,
-                    seq,
-                    row["key_id"],
-                    event,
-                    int(row["epoch"]),
-                    row["status"],
-                    actor,
-                    detail,
-                    digest,
-                    at,
-                    head[1],
-                    h,
-                ),
+            values = (
+                chain,
+                seq,
+                row["key_id"],
+                event,
+                int(row["epoch"]),
+                row["status"],
+                actor,
+                detail,
+                digest,
+                at,
+                head[1],
+                h,
             )
-            self._heads[chain] = (seq, h)
-            return
+            if head[0] == 0:
+                guard = f"NOT EXISTS (SELECT 1 FROM oo_audit WHERE chain = {q})"
+                guard_args: tuple[Any, ...] = (chain,)
+            else:
+                guard = (
+                    f"EXISTS (SELECT 1 FROM oo_audit WHERE chain = {q} AND seq = {q} "
+                    f"AND hash = {q})"
+                )
+                guard_args = (chain, head[0], head[1])
+            cur.execute(
+                f"INSERT INTO oo_audit ({cols}) SELECT {select} WHERE {guard} "
+                f"ON CONFLICT DO NOTHING",
+                (*values, *guard_args),
+            )
+            if cur.rowcount == 1:
+                self._heads[chain] = (seq, h)
+                return
+            head = None  # stale head or a concurrent appender: re-read and retry
         raise StoreError(f"could not append to audit chain {chain!r}: its head kept moving")
 
     # -- data keys ----------------------------------------------------------------------
