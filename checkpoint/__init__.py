@@ -40,7 +40,7 @@ from .records import (
     Source,
     StateMigrations,
 )
-from .store import Store, ensure_schema, migrate
+from .store import Store, ensure_schema, migrate, migrate_component
 
 __all__ = [
     "AsyncWriteError",
@@ -79,5 +79,6 @@ __all__ = [
     "apply_migrations",
     "ensure_schema",
     "migrate",
+    "migrate_component",
     "pending_sql",
 ]

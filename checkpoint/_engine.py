@@ -41,8 +41,12 @@ def make_engine(url: str, *, busy_timeout_ms: int) -> Engine:
         kwargs["pool_pre_ping"] = False
     try:
         engine = create_engine(url, **kwargs)
-    except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ValueError) as exc:
-        raise ConfigurationError(f"cannot use database URL {url!r}: {exc}") from exc
+    except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ValueError, ImportError) as exc:
+        raise ConfigurationError(
+            f"cannot use database URL {url!r}: {exc}. onceonly supports sqlite:///PATH and "
+            f"postgresql+psycopg://... (install the postgres extra: pip install "
+            f"'onceonly[postgres]')"
+        ) from exc
     configure(engine, busy_timeout_ms=busy_timeout_ms)
     return engine
 

@@ -148,25 +148,43 @@ def current_version(conn: Connection, component: str) -> int:
     return 0 if row is None else int(row[0])
 
 
-def pending_sql(engine: Engine, component: str, migrations: Sequence[Migration]) -> str:
-    """The SQL that :func:`apply_migrations` would run, for review by a DBA."""
+def pending_sql(
+    engine: Engine,
+    component: str,
+    migrations: Sequence[Migration],
+    *,
+    version_table: bool = True,
+) -> str:
+    """The SQL that :func:`apply_migrations` would run, for review by a DBA.
+
+    Applying the output by hand leaves the database exactly as ``migrate`` would,
+    including the recorded version. Pass ``version_table=False`` when concatenating the
+    SQL of several components, so the version table is created once.
+    """
     with engine.connect() as conn:
         have = current_version(conn, component)
         has_table = _version_table_exists(conn)
     out: list[str] = []
     dialect = engine.dialect
-    if not has_table:
+    if not has_table and version_table:
         out.append(str(CreateTable(schema_versions).compile(dialect=dialect)).strip() + ";")
+    latest = migrations[-1].version
     for m in migrations:
         if m.version <= have:
             continue
         out.append(f"-- {component} v{m.version}: {m.description}")
         out.extend(str(s.compile(dialect=dialect)).strip() + ";" for s in m.statements)
-        out.append(
-            f"-- then record it: INSERT or UPDATE onceonly_schema "
-            f"SET version = {m.version} WHERE component = '{component}';"
-        )
-    return "\n".join(out) + "\n"
+    if latest > have:
+        if have == 0:
+            out.append(
+                f"INSERT INTO onceonly_schema (component, version, applied_at) "
+                f"VALUES ('{component}', {latest}, 0);"
+            )
+        else:
+            out.append(
+                f"UPDATE onceonly_schema SET version = {latest} WHERE component = '{component}';"
+            )
+    return "\n".join(out) + "\n" if out else ""
 
 
 def apply_migrations(engine: Engine, component: str, migrations: Sequence[Migration]) -> int:
@@ -180,6 +198,10 @@ def apply_migrations(engine: Engine, component: str, migrations: Sequence[Migrat
     """
     latest = migrations[-1].version
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Workers opening a fresh database at once: one migrates, the rest wait here
+            # and then find the schema in place. (SQLite's BEGIN IMMEDIATE does the same.)
+            conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7412958231)")
         if not _version_table_exists(conn):
             conn.execute(CreateTable(schema_versions, if_not_exists=True))
         have = current_version(conn, component)

@@ -229,7 +229,9 @@ class Codec:
         except TypeError as exc:
             raise UnknownCodecTag(
                 f"stored fields of dataclass {name!r} do not match its definition ({exc}); "
-                f"register a state migration for the changed class"
+                f"load with a codec that registers the old definition under this name, "
+                f"convert the value, and save it again (or use a StateMigrations upgrade on "
+                f"state that holds plain dicts)"
             ) from exc
 
 

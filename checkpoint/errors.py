@@ -172,7 +172,8 @@ class CorruptRecord(OnceOnlyError):
         place = ", ".join(where) if where else "a stored record"
         super().__init__(
             f"{place}: {detail}. The record was not used. Restore the database from a "
-            f"backup, or fork the run from an earlier checkpoint that still verifies."
+            f"backup, or load an earlier checkpoint that still verifies (Store.load(run_id, "
+            f"seq)) and carry on from it in a new run."
         )
 
 

@@ -55,7 +55,7 @@ from .records import (
     StateMigrations,
 )
 
-__all__ = ["Store", "ensure_schema", "migrate"]
+__all__ = ["Store", "ensure_schema", "migrate", "migrate_component"]
 
 _UNSET: Final = object()
 T = TypeVar("T")
@@ -178,6 +178,7 @@ class Store:
         self._async_error: BaseException | None = None
         self._writer: threading.Thread | None = None
         self._closed = False
+        self._heads_stale = False
         self._local = threading.local()
         self._pinned: list[Any] = []
         self._pin_lock = threading.Lock()
@@ -253,6 +254,11 @@ class Store:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigurationError("the store is closed; open a new one")
+        if self._heads_stale:
+            # Set by the background writer, which never takes the lock (a caller may be
+            # waiting on a barrier while holding it): forget heads it could not write.
+            self._heads_stale = False
+            self._heads.clear()
         err = self._async_error
         if err is not None:
             self._async_error = None
@@ -607,8 +613,8 @@ class Store:
 
         Args:
             set: Channels replaced by new values.
-            merge: For dict channels, keys to set (a value of :data:`DELETE`-free dict);
-                use ``delete`` of whole channels or ``save`` to remove keys.
+            merge: For dict channels, keys to set (to remove keys of a dict, use
+                :meth:`save` with the whole state).
             append: For list channels, items to append.
             delete: Channels to remove.
 
@@ -813,13 +819,11 @@ class Store:
                         b.error = exc
                     if batch:
                         self._async_error = exc
-                        with self._lock:
-                            self._heads.clear()
+                        self._heads_stale = True
             elif batch or work:
                 for b in work:
                     b.error = AsyncWriteError("an earlier background write failed")
-                with self._lock:
-                    self._heads.clear()
+                self._heads_stale = True
             for b in barriers:
                 b.done.set()
             if stop:
@@ -831,8 +835,12 @@ class Store:
         if head is not None:
             self._heads.move_to_end(run_id)
             return head
-        if self.durability is not Durability.SYNC:
+        # Not cached (new to this process, or evicted): whatever this process queued for
+        # the run must be in the database before the head is read from there.
+        if self.durability is Durability.EXIT:
             self._flush_locked_pending()
+        elif self.durability is Durability.ASYNC:
+            self.flush()
         try:
             _, head = self._load(run_id, None, lazy=True)
         except CheckpointNotFound:
@@ -1175,6 +1183,7 @@ class Store:
                 )
             ]
         archived = 0
+        deleted = 0
         for run_id in victims:
             if policy.archive_path is not None:
                 self._archive(run_id, policy.archive_path)
@@ -1193,9 +1202,10 @@ class Store:
                 )
                 conn.execute(delete(_schema.blob_refs).where(_schema.blob_refs.c.owner == run_id))
                 conn.execute(delete(r).where(r.c.run_id == run_id))
+                deleted += 1
             self._heads.pop(run_id, None)
         collected = self.collect_garbage()
-        return RetentionReport(len(victims), archived, collected)
+        return RetentionReport(deleted, archived, collected)
 
     def _archive(self, run_id: str, path: str) -> None:
         run = self.get_run(run_id)
@@ -1373,7 +1383,7 @@ def ensure_schema(
 
 
 def migrate(url_or_engine: str | Engine, *, sql: bool = False) -> str:
-    """Bring the database schema to this release's version (or return the SQL).
+    """Bring the checkpoint schema to this release's version (or return the SQL).
 
     Args:
         url_or_engine: The database.
@@ -1384,7 +1394,20 @@ def migrate(url_or_engine: str | Engine, *, sql: bool = False) -> str:
 
     Raises:
         SchemaVersionError: The database is newer than this release.
+        DatabaseUnavailable: The database cannot be reached.
     """
+    return migrate_component(url_or_engine, "checkpoint", _schema.CHECKPOINT_MIGRATIONS, sql=sql)
+
+
+def migrate_component(
+    url_or_engine: str | Engine,
+    component: str,
+    migrations: Sequence[_schema.Migration],
+    *,
+    sql: bool = False,
+    version_table: bool = True,
+) -> str:
+    """:func:`migrate` for any schema component (upper layers register their own)."""
     engine = (
         make_engine(url_or_engine, busy_timeout_ms=5000)
         if isinstance(url_or_engine, str)
@@ -1392,12 +1415,14 @@ def migrate(url_or_engine: str | Engine, *, sql: bool = False) -> str:
     )
     try:
         if sql:
-            return _schema.pending_sql(engine, "checkpoint", _schema.CHECKPOINT_MIGRATIONS)
+            with translate("read the schema version"):
+                return _schema.pending_sql(
+                    engine, component, migrations, version_table=version_table
+                )
         with translate("migrate the schema"):
-            n = _schema.apply_migrations(engine, "checkpoint", _schema.CHECKPOINT_MIGRATIONS)
+            n = _schema.apply_migrations(engine, component, migrations)
         return (
-            f"checkpoint schema: applied {n} migration(s); now at version "
-            f"{_schema.CHECKPOINT_SCHEMA_VERSION}"
+            f"{component} schema: applied {n} migration(s); now at version {migrations[-1].version}"
         )
     finally:
         if isinstance(url_or_engine, str):

@@ -4,6 +4,7 @@ Built on the checkpoint core (``checkpoint``), in the same database; imports not
 ``adapters`` or ``onceonly``.
 """
 
+from ._schema import migrate
 from .audit import AuditReport
 from .errors import (
     EffectFailed,
@@ -57,4 +58,5 @@ __all__ = [
     "RetentionPolicy",
     "Secret",
     "UnknownEffect",
+    "migrate",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     Column,
     Float,
@@ -16,7 +18,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from checkpoint import Migration
+from checkpoint import Migration, migrate_component
 
 metadata = MetaData()
 
@@ -98,3 +100,11 @@ LEDGER_MIGRATIONS: tuple[Migration, ...] = (
 LEDGER_SCHEMA_VERSION = LEDGER_MIGRATIONS[-1].version
 
 COLUMNS: tuple[str, ...] = tuple(c.name for c in effects.columns)
+
+
+def migrate(url_or_engine: Any, *, sql: bool = False) -> str:
+    """Bring the ledger schema to this release's version (or return its SQL, without the
+    version table, which :func:`checkpoint.migrate`'s SQL creates)."""
+    return migrate_component(
+        url_or_engine, "ledger", LEDGER_MIGRATIONS, sql=sql, version_table=False
+    )

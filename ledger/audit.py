@@ -19,20 +19,8 @@ import blake3
 
 from checkpoint import Store
 
-from ._schema import COLUMNS
-
-_SELECT_EFFECTS = "SELECT " + ", ".join(COLUMNS) + " FROM oo_effects"
-
-
-def _effect_row(values: Sequence[Any]) -> dict[str, Any]:
-    row = dict(zip(COLUMNS, values, strict=True))
-    for c in ("args_ct", "result_ct", "error_ct"):
-        if row[c] is not None:
-            row[c] = bytes(row[c])
-    return row
-
-
-__all__ = ["AuditReport", "event_hash", "export_witness", "row_digest", "verify_store"]
+from ._rows import SELECT as _SELECT_EFFECTS
+from ._rows import effect_row as _effect_row
 
 GENESIS = bytes(32)
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import json
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,7 +28,9 @@ from checkpoint import Codec, Store, ensure_schema
 from checkpoint.errors import ConfigurationError, CorruptRecord, OnceOnlyError, StoreError
 
 from . import _schema
-from .audit import GENESIS, AuditReport, event_hash, export_witness, row_digest, verify_store
+from ._queries import QueryMixin
+from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
+from .audit import GENESIS, event_hash, row_digest
 from .crypto import Sealer
 from .errors import (
     EffectFailed,
@@ -52,54 +53,16 @@ from .records import (
     OutcomeClass,
     ProviderClass,
     Replay,
-    RetentionPolicy,
 )
 
 __all__ = ["Ledger"]
 
 T = TypeVar("T")
-Row = dict[str, Any]
 _COLS = _schema.COLUMNS
-_SELECT = "SELECT " + ", ".join(_COLS) + " FROM oo_effects"
-_TERMINAL = (EffectStatus.COMMITTED.value, EffectStatus.FAILED.value)
-
-
-def _row(values: Sequence[Any]) -> Row:
-    row = dict(zip(_COLS, values, strict=True))
-    for c in ("args_ct", "result_ct", "error_ct"):
-        if row[c] is not None:
-            row[c] = bytes(row[c])
-    return row
-
-
-def _record(row: Row) -> EffectRecord:
-    try:
-        return EffectRecord(
-            key_id=row["key_id"],
-            tenant=row["tenant"],
-            run_id=row["run_id"],
-            step_id=row["step_id"],
-            effect=row["effect"],
-            fingerprint=row["fingerprint"],
-            provider_key=row["provider_key"],
-            provider_class=ProviderClass(row["provider_class"]),
-            window_s=row["window_s"],
-            status=EffectStatus(row["status"]),
-            epoch=int(row["epoch"]),
-            lease_owner=row["lease_owner"],
-            lease_expires_at=row["lease_expires_at"],
-            attempts=int(row["attempts"]),
-            outcome_class=None
-            if row["outcome_class"] is None
-            else OutcomeClass(row["outcome_class"]),
-            subject=row["subject"],
-            secret_id=row["secret_id"],
-            first_sent_at=row["first_sent_at"],
-            created_at=float(row["created_at"]),
-            updated_at=float(row["updated_at"]),
-        )
-    except (ValueError, KeyError) as exc:
-        raise CorruptRecord(f"effect row {row.get('key_id')!r} is malformed ({exc})") from exc
+_SELECT = SELECT
+_TERMINAL = TERMINAL
+_row = effect_row
+_record = effect_record
 
 
 @dataclass(frozen=True)
@@ -112,7 +75,7 @@ class _Outcome:
     cipher: tuple[str, ChaCha20Poly1305] | None = None
 
 
-class Ledger:
+class Ledger(QueryMixin):
     """The durable effects ledger, in the same database as the checkpoints.
 
     Example::
@@ -499,15 +462,17 @@ class Ledger:
         classify: Callable[[BaseException], OutcomeClass] | None,
     ) -> None:
         outcome = OutcomeClass.AMBIGUOUS if classify is None else classify(exc)
-        detail = f"{type(exc).__name__}: {exc}"[:500]
+        # Exception messages may carry personal data: only the type goes into the
+        # (plaintext) audit detail; the message is sealed with the entry's payloads.
+        detail = type(exc).__name__
         if outcome is OutcomeClass.NOT_SENT:
-            self.release(claim, detail)
+            self.release(claim, detail, error=exc)
         elif outcome is OutcomeClass.REJECTED:
             self.fail(claim, type(exc).__name__, str(exc))
         elif outcome is OutcomeClass.SUCCEEDED:
             raise ConfigurationError("an exception cannot be classified as succeeded") from exc
         else:
-            self.mark_unknown(claim, detail)
+            self.mark_unknown(claim, detail, error=exc)
 
     # -- outcomes -----------------------------------------------------------------------
     def commit(self, claim: Claim, result: Any) -> EffectRecord:
@@ -562,44 +527,57 @@ class Ledger:
         self._terminal[row["key_id"]] = row
         return _record(row)
 
-    def mark_unknown(self, claim: Claim, detail: str = "") -> EffectRecord:
+    def mark_unknown(
+        self, claim: Claim, detail: str = "", *, error: BaseException | None = None
+    ) -> EffectRecord:
         """Record that the attempt's outcome is ambiguous (sent, no answer): UNKNOWN.
+
+        Args:
+            claim: The live claim.
+            detail: A short plaintext note for the audit trail (no personal data).
+            error: The exception seen; its message is stored encrypted.
 
         Raises:
             LeaseLost / LedgerUnavailable: As in :meth:`commit`.
         """
-        row = self._finish(
-            claim,
-            "unknown",
-            {
-                "status": EffectStatus.UNKNOWN.value,
-                "outcome_class": OutcomeClass.AMBIGUOUS.value,
-                "lease_owner": None,
-                "lease_expires_at": None,
-            },
-            detail,
-        )
-        return _record(row)
+        changes: Row = {
+            "status": EffectStatus.UNKNOWN.value,
+            "outcome_class": OutcomeClass.AMBIGUOUS.value,
+            "lease_owner": None,
+            "lease_expires_at": None,
+        }
+        if error is not None:
+            changes["error_ct"] = self._seal_error(claim, error)
+        return _record(self._finish(claim, "unknown", changes, detail))
 
-    def release(self, claim: Claim, detail: str = "not sent") -> EffectRecord:
+    def release(
+        self, claim: Claim, detail: str = "not sent", *, error: BaseException | None = None
+    ) -> EffectRecord:
         """Record that the attempt provably never left (connect refused): NOT_HAPPENED, so
         a later claim may send it again with the next epoch.
 
+        Args:
+            claim: The live claim.
+            detail: A short plaintext note for the audit trail (no personal data).
+            error: The exception seen; its message is stored encrypted.
+
         Raises:
             LeaseLost / LedgerUnavailable: As in :meth:`commit`.
         """
-        row = self._finish(
-            claim,
-            "not_sent",
-            {
-                "status": EffectStatus.NOT_HAPPENED.value,
-                "outcome_class": OutcomeClass.NOT_SENT.value,
-                "lease_owner": None,
-                "lease_expires_at": None,
-            },
-            detail,
-        )
-        return _record(row)
+        changes: Row = {
+            "status": EffectStatus.NOT_HAPPENED.value,
+            "outcome_class": OutcomeClass.NOT_SENT.value,
+            "lease_owner": None,
+            "lease_expires_at": None,
+        }
+        if error is not None:
+            changes["error_ct"] = self._seal_error(claim, error)
+        return _record(self._finish(claim, "not_sent", changes, detail))
+
+    def _seal_error(self, claim: Claim, error: BaseException) -> bytes:
+        info = {"type": type(error).__name__, "message": str(error)[:2000], "info": {}}
+        cipher = self._cipher(claim.subject)
+        return Sealer.seal(cipher, self.codec.encode(info), f"{claim.key_id}|error".encode())
 
     def renew(self, claim: Claim) -> Claim:
         """Extend a live claim's lease (for long calls).
@@ -1031,202 +1009,3 @@ class Ledger:
                 f"effect {row['key_id']} {field}: {exc.detail}", run_id=row["run_id"]
             ) from exc
         return self.codec.decode(plain)
-
-    def get(self, key_id: str) -> EffectRecord:
-        """The entry with this key id.
-
-        Raises:
-            UnknownEffect: No such entry.
-        """
-        return _record(self._get_row(key_id))
-
-    def _get_row(self, key_id: str) -> Row:
-        def q(cur: Any) -> Row | None:
-            cur.execute(f"{_SELECT} WHERE key_id = {self._q}", (key_id,))
-            found = cur.fetchone()
-            return None if found is None else _row(found)
-
-        row = self.store.read(q)
-        if row is None:
-            raise UnknownEffect(key_id)
-        return row
-
-    def payload(self, key_id: str) -> dict[str, Any]:
-        """The decrypted arguments (canonical form), result and error of an entry.
-
-        Raises:
-            PayloadErased: The subject's key was erased.
-            CorruptRecord: A ciphertext fails authentication.
-        """
-        row = self._get_row(key_id)
-        try:
-            args = None
-            if row["args_ct"] is not None:
-                cipher = self._cipher(row["subject"])
-                args = self.codec.decode(
-                    Sealer.open(cipher, row["args_ct"], f"{key_id}|args".encode())
-                )
-            return {
-                "args": args,
-                "result": self._open(row, "result"),
-                "error": self._open(row, "error"),
-            }
-        except PayloadErased as exc:
-            raise PayloadErased(key_id, row["subject"]) from exc
-
-    def effects(
-        self,
-        *,
-        run_id: str | None = None,
-        status: EffectStatus | str | None = None,
-        effect: str | None = None,
-        since: float | None = None,
-        until: float | None = None,
-        limit: int | None = None,
-    ) -> list[EffectRecord]:
-        """Entries matching every given filter, newest first."""
-        return [_record(r) for r in self._query(run_id, status, effect, since, until, limit)]
-
-    def _query(
-        self,
-        run_id: str | None,
-        status: EffectStatus | str | None,
-        effect: str | None,
-        since: float | None,
-        until: float | None,
-        limit: int | None,
-    ) -> list[Row]:
-        q = self._q
-        where, params = [], []
-        for col, op, val in (
-            ("run_id", "=", run_id),
-            ("status", "=", None if status is None else EffectStatus(status).value),
-            ("effect", "=", effect),
-            ("updated_at", ">=", since),
-            ("updated_at", "<", until),
-        ):
-            if val is not None:
-                where.append(f"{col} {op} {q}")
-                params.append(val)
-        sql = _SELECT + (" WHERE " + " AND ".join(where) if where else "")
-        sql += " ORDER BY updated_at DESC, key_id"
-        if limit is not None:
-            sql += f" LIMIT {int(limit)}"
-
-        def scan(cur: Any) -> list[Row]:
-            cur.execute(sql, params)
-            return [_row(r) for r in cur.fetchall()]
-
-        return self.store.read(scan)
-
-    def export_jsonl(self, path: str, **filters: Any) -> int:
-        """Append matching entries (metadata only, never payloads) to a JSONL file.
-
-        Returns:
-            How many were written.
-        """
-        rows = self.effects(**filters)
-        with open(path, "a", encoding="utf-8") as fh:
-            for rec in rows:
-                d = dict(rec.__dict__)
-                for k in ("status", "provider_class", "outcome_class"):
-                    d[k] = None if d[k] is None else str(d[k])
-                fh.write(json.dumps(d, sort_keys=True) + "\n")
-        return len(rows)
-
-    def audit_events(self, chain: str) -> list[dict[str, Any]]:
-        """The audit events of one chain (a run id, or ``tenant:<tenant>``), in order."""
-
-        def scan(cur: Any) -> list[dict[str, Any]]:
-            cur.execute(
-                "SELECT chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
-                f"prev_hash, hash FROM oo_audit WHERE chain = {self._q} ORDER BY seq",
-                (chain,),
-            )
-            keys = (
-                "chain",
-                "seq",
-                "key_id",
-                "event",
-                "epoch",
-                "status",
-                "actor",
-                "detail",
-                "row_digest",
-                "at",
-                "prev_hash",
-                "hash",
-            )
-            return [dict(zip(keys, r, strict=True)) for r in cur.fetchall()]
-
-        return self.store.read(scan)
-
-    # -- verification ------------------------------------------------------------------
-    def verify(self, *, witness: str | None = None) -> AuditReport:
-        """Check every audit chain, every effect row against its last event, every blob and
-        checkpoint row, and (given a witness file) that no chain was rolled back.
-
-        Detects edited, deleted, reordered or forged events and rows, rows moved between
-        runs, and a store restored below the witnessed heads.
-        """
-        return verify_store(self.store, witness=witness)
-
-    def export_witness(self, path: str) -> dict[str, Any]:
-        """Write every chain's head (and a digest over them) to an external witness file.
-
-        Keep the file outside the database (another host, object storage with versioning):
-        :meth:`verify` with ``witness=path`` detects a store rolled back below it.
-        """
-        return export_witness(self.store, path, self._clock())
-
-    # -- retention ---------------------------------------------------------------------
-    def apply_retention(self, policy: RetentionPolicy) -> int:
-        """Remove finished entries past their dedup window and age whose run is gone.
-
-        Each removal appends a ``retired`` event to the chain first, so verification knows
-        the row was removed on purpose. Returns how many entries were removed.
-        """
-        now = self._clock()
-        cutoff = now - policy.older_than_s
-        finished = (*_TERMINAL, EffectStatus.NOT_HAPPENED.value)
-
-        def pick(cur: Any) -> list[Row]:
-            q = self._q
-            cur.execute(
-                f"{_SELECT} WHERE status IN ({q}, {q}, {q}) AND updated_at < {q} AND "
-                f"(run_id IS NULL OR run_id NOT IN (SELECT run_id FROM oo_runs))",
-                (*finished, cutoff),
-            )
-            return [
-                r
-                for r in (_row(x) for x in cur.fetchall())
-                if r["window_s"] is None or (r["first_sent_at"] or 0) + float(r["window_s"]) < now
-            ]
-
-        victims = self.store.read(pick)
-        if policy.archive_path is not None and victims:
-            with open(policy.archive_path, "a", encoding="utf-8") as fh:
-                for row in victims:
-                    fh.write(
-                        json.dumps(
-                            {k: (v.hex() if isinstance(v, bytes) else v) for k, v in row.items()},
-                            sort_keys=True,
-                        )
-                        + "\n"
-                    )
-        for row in victims:
-
-            def txn(cur: Any, row: Row = row) -> None:
-                q = self._q
-                cur.execute(
-                    f"DELETE FROM oo_effects WHERE key_id = {q} AND epoch = {q} AND status = {q}",
-                    (row["key_id"], row["epoch"], row["status"]),
-                )
-                if cur.rowcount == 1:
-                    self._append(
-                        cur, {**row, "updated_at": self._clock()}, "retired", "retention", ""
-                    )
-
-            self._write(txn, outcome=False)
-            self._terminal.pop(row["key_id"], None)
-        return len(victims)

@@ -10,10 +10,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from checkpoint import OnceOnlyError, Store, migrate
+from checkpoint import Codec, OnceOnlyError, RunStatus, Store, migrate
 from checkpoint.errors import ConfigurationError
-from ledger import EffectRecord, Keyring, Ledger, Secret
-from ledger import _schema as ledger_schema
+from ledger import EffectRecord, EffectStatus, Keyring, Ledger, Secret
+from ledger import migrate as ledger_migrate
 
 DEFAULT_URL = "sqlite:///onceonly.db"
 _URL_HELP = "Database URL (env ONCEONLY_DATABASE_URL; default sqlite:///onceonly.db)."
@@ -43,23 +43,9 @@ def demo_cmd(db: str | None) -> None:
 @click.option("--sql", is_flag=True, help="Print the SQL instead of running it.")
 def migrate_cmd(url: str | None, sql: bool) -> None:
     """Create or upgrade the database schema (checkpoint core and effects ledger)."""
-    from checkpoint import apply_migrations, pending_sql  # noqa: PLC0415
-    from checkpoint._engine import make_engine  # noqa: PLC0415
-
     target = _url(url)
     click.echo(migrate(target, sql=sql), nl=not sql)
-    engine = make_engine(target, busy_timeout_ms=5000)
-    try:
-        if sql:
-            click.echo(pending_sql(engine, "ledger", ledger_schema.LEDGER_MIGRATIONS), nl=False)
-        else:
-            n = apply_migrations(engine, "ledger", ledger_schema.LEDGER_MIGRATIONS)
-            click.echo(
-                f"ledger schema: applied {n} migration(s); now at version "
-                f"{ledger_schema.LEDGER_SCHEMA_VERSION}"
-            )
-    finally:
-        engine.dispose()
+    click.echo(ledger_migrate(target, sql=sql), nl=not sql)
 
 
 def _keyring(required: bool) -> Keyring:
@@ -90,7 +76,12 @@ def effects() -> None:
 @effects.command("list")
 @click.option("--url", default=None, help=_URL_HELP)
 @click.option("--run", "run_id", default=None, help="Only this run's effects.")
-@click.option("--status", default=None, help="Only effects with this status.")
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in EffectStatus]),
+    default=None,
+    help="Only effects with this status.",
+)
 @click.option("--effect", default=None, help="Only this effect name@version.")
 @click.option("--since", type=float, default=None, help="Updated at or after (UNIX seconds).")
 @click.option("--until", type=float, default=None, help="Updated before (UNIX seconds).")
@@ -238,7 +229,12 @@ def runs() -> None:
 
 @runs.command("list")
 @click.option("--url", default=None, help=_URL_HELP)
-@click.option("--status", default=None, help="Only runs with this status.")
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in RunStatus]),
+    default=None,
+    help="Only runs with this status.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def runs_list(url: str | None, status: str | None, as_json: bool) -> None:
     """List runs, most recently updated first."""
@@ -276,7 +272,8 @@ def runs_list(url: str | None, status: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def runs_show(run_id: str, url: str | None, as_json: bool) -> None:
     """Show a run: status, handoff note, history and latest state."""
-    with Store.open(_url(url), create=False) as store:
+    # A lenient codec: show values of dataclasses this process has not registered.
+    with Store.open(_url(url), create=False, codec=Codec(strict=False)) as store:
         run = store.get_run(run_id)
         history = store.history(run_id)
         state = store.load(run_id).state if history else None

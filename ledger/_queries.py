@@ -1,0 +1,234 @@
+"""Reading the ledger: entries, payloads, audit events, verification, retention.
+
+Mixed into :class:`ledger.Ledger`; kept apart so the state machine in ``ledger.py`` reads
+on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from checkpoint import Codec, Store
+
+from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
+from .audit import AuditReport, export_witness, verify_store
+from .crypto import Sealer
+from .errors import PayloadErased, UnknownEffect
+from .records import EffectRecord, EffectStatus, RetentionPolicy
+
+__all__: list[str] = []
+
+
+class QueryMixin:
+    """Read-side methods of the ledger (the state machine provides the rest)."""
+
+    store: Store
+    codec: Codec
+    _q: str
+    _terminal: dict[str, Row]
+    _clock: Callable[[], float]
+    _open: Callable[[Row, str], Any]
+    _cipher: Callable[[str], Any]
+    _write: Callable[..., Any]
+    _append: Callable[[Any, Row, str, str, str], None]
+
+    def get(self, key_id: str) -> EffectRecord:
+        """The entry with this key id.
+
+        Raises:
+            UnknownEffect: No such entry.
+        """
+        return effect_record(self._get_row(key_id))
+
+    def _get_row(self, key_id: str) -> Row:
+        def q(cur: Any) -> Row | None:
+            cur.execute(f"{SELECT} WHERE key_id = {self._q}", (key_id,))
+            found = cur.fetchone()
+            return None if found is None else effect_row(found)
+
+        row = self.store.read(q)
+        if row is None:
+            raise UnknownEffect(key_id)
+        return row
+
+    def payload(self, key_id: str) -> dict[str, Any]:
+        """The decrypted arguments (canonical form), result and error of an entry.
+
+        Raises:
+            PayloadErased: The subject's key was erased.
+            CorruptRecord: A ciphertext fails authentication.
+        """
+        row = self._get_row(key_id)
+        try:
+            args = None
+            if row["args_ct"] is not None:
+                cipher = self._cipher(row["subject"])
+                args = self.codec.decode(
+                    Sealer.open(cipher, row["args_ct"], f"{key_id}|args".encode())
+                )
+            return {
+                "args": args,
+                "result": self._open(row, "result"),
+                "error": self._open(row, "error"),
+            }
+        except PayloadErased as exc:
+            raise PayloadErased(key_id, row["subject"]) from exc
+
+    def effects(
+        self,
+        *,
+        run_id: str | None = None,
+        status: EffectStatus | str | None = None,
+        effect: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int | None = None,
+    ) -> list[EffectRecord]:
+        """Entries matching every given filter, newest first."""
+        return [effect_record(r) for r in self._query(run_id, status, effect, since, until, limit)]
+
+    def _query(
+        self,
+        run_id: str | None,
+        status: EffectStatus | str | None,
+        effect: str | None,
+        since: float | None,
+        until: float | None,
+        limit: int | None,
+    ) -> list[Row]:
+        q = self._q
+        where, params = [], []
+        for col, op, val in (
+            ("run_id", "=", run_id),
+            ("status", "=", None if status is None else EffectStatus(status).value),
+            ("effect", "=", effect),
+            ("updated_at", ">=", since),
+            ("updated_at", "<", until),
+        ):
+            if val is not None:
+                where.append(f"{col} {op} {q}")
+                params.append(val)
+        sql = SELECT + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY updated_at DESC, key_id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+
+        def scan(cur: Any) -> list[Row]:
+            cur.execute(sql, params)
+            return [effect_row(r) for r in cur.fetchall()]
+
+        return self.store.read(scan)
+
+    def export_jsonl(self, path: str, **filters: Any) -> int:
+        """Append matching entries (metadata only, never payloads) to a JSONL file.
+
+        Returns:
+            How many were written.
+        """
+        rows = self.effects(**filters)
+        with open(path, "a", encoding="utf-8") as fh:
+            for rec in rows:
+                d = dict(rec.__dict__)
+                for k in ("status", "provider_class", "outcome_class"):
+                    d[k] = None if d[k] is None else str(d[k])
+                fh.write(json.dumps(d, sort_keys=True) + "\n")
+        return len(rows)
+
+    def audit_events(self, chain: str) -> list[dict[str, Any]]:
+        """The audit events of one chain (a run id, or ``tenant:<tenant>``), in order."""
+
+        def scan(cur: Any) -> list[dict[str, Any]]:
+            cur.execute(
+                "SELECT chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
+                f"prev_hash, hash FROM oo_audit WHERE chain = {self._q} ORDER BY seq",
+                (chain,),
+            )
+            keys = (
+                "chain",
+                "seq",
+                "key_id",
+                "event",
+                "epoch",
+                "status",
+                "actor",
+                "detail",
+                "row_digest",
+                "at",
+                "prev_hash",
+                "hash",
+            )
+            return [dict(zip(keys, r, strict=True)) for r in cur.fetchall()]
+
+        return self.store.read(scan)
+
+    # -- verification ------------------------------------------------------------------
+    def verify(self, *, witness: str | None = None) -> AuditReport:
+        """Check every audit chain, every effect row against its last event, every blob and
+        checkpoint row, and (given a witness file) that no chain was rolled back.
+
+        Detects edited, deleted, reordered or forged events and rows, rows moved between
+        runs, and a store restored below the witnessed heads.
+        """
+        return verify_store(self.store, witness=witness)
+
+    def export_witness(self, path: str) -> dict[str, Any]:
+        """Write every chain's head (and a digest over them) to an external witness file.
+
+        Keep the file outside the database (another host, object storage with versioning):
+        :meth:`verify` with ``witness=path`` detects a store rolled back below it.
+        """
+        return export_witness(self.store, path, self._clock())
+
+    # -- retention ---------------------------------------------------------------------
+    def apply_retention(self, policy: RetentionPolicy) -> int:
+        """Remove finished entries past their dedup window and age whose run is gone.
+
+        Each removal appends a ``retired`` event to the chain first, so verification knows
+        the row was removed on purpose. Returns how many entries were removed.
+        """
+        now = self._clock()
+        cutoff = now - policy.older_than_s
+        finished = (*TERMINAL, EffectStatus.NOT_HAPPENED.value)
+
+        def pick(cur: Any) -> list[Row]:
+            q = self._q
+            cur.execute(
+                f"{SELECT} WHERE status IN ({q}, {q}, {q}) AND updated_at < {q} AND "
+                f"(run_id IS NULL OR run_id NOT IN (SELECT run_id FROM oo_runs))",
+                (*finished, cutoff),
+            )
+            return [
+                r
+                for r in (effect_row(x) for x in cur.fetchall())
+                if r["window_s"] is None or (r["first_sent_at"] or 0) + float(r["window_s"]) < now
+            ]
+
+        victims = self.store.read(pick)
+        if policy.archive_path is not None and victims:
+            with open(policy.archive_path, "a", encoding="utf-8") as fh:
+                for row in victims:
+                    fh.write(
+                        json.dumps(
+                            {k: (v.hex() if isinstance(v, bytes) else v) for k, v in row.items()},
+                            sort_keys=True,
+                        )
+                        + "\n"
+                    )
+        for row in victims:
+
+            def txn(cur: Any, row: Row = row) -> None:
+                q = self._q
+                cur.execute(
+                    f"DELETE FROM oo_effects WHERE key_id = {q} AND epoch = {q} AND status = {q}",
+                    (row["key_id"], row["epoch"], row["status"]),
+                )
+                if cur.rowcount == 1:
+                    self._append(
+                        cur, {**row, "updated_at": self._clock()}, "retired", "retention", ""
+                    )
+
+            self._write(txn, outcome=False)
+            self._terminal.pop(row["key_id"], None)
+        return len(victims)
