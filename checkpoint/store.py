@@ -108,11 +108,17 @@ class _Pending:
         )
 
 
+_NO_WAIT = threading.Event()
+
+
 class _Barrier:
     """A write barrier, optionally carrying work to run in the same transaction."""
 
-    def __init__(self, fn: Callable[[Any], Any] | None = None) -> None:
-        self.done = threading.Event()
+    __slots__ = ("done", "error", "fn", "result")
+
+    def __init__(self, fn: Callable[[Any], Any] | None = None, *, waits: bool = True) -> None:
+        # Only barriers handed to the background writer are waited on.
+        self.done = threading.Event() if waits else _NO_WAIT
         self.fn = fn
         self.result: Any = None
         self.error: BaseException | None = None
@@ -366,8 +372,9 @@ class Store:
             StoreError: The transaction could not be committed (nothing of it is durable).
         """
         self._check_open()
-        barrier = _Barrier(fn)
-        if self.durability is Durability.ASYNC and self._writer is not None:
+        is_async = self.durability is Durability.ASYNC and self._writer is not None
+        barrier = _Barrier(fn, waits=is_async)
+        if is_async:
             self._queue.put(barrier)
             barrier.done.wait()
             if barrier.error is None and self._async_error is not None:
@@ -777,8 +784,13 @@ class Store:
                 cur.execute(sql.advance(tuple(cols), first=p.seq == 0), params)
                 if cur.rowcount != 1:
                     raise ConcurrentWrite(p.run_id, p.seq - 1)
+            solo = not batch and len(participants) == 1
             for i, part in enumerate(participants):
                 if part.fn is None:
+                    continue
+                if solo:
+                    # Alone in its transaction: an error rolls back just its own work.
+                    part.result = part.fn(cur)
                     continue
                 cur.execute(f"SAVEPOINT oo_p{i}")
                 try:

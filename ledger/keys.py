@@ -47,17 +47,20 @@ _CONTEXTS = {
 
 
 def _encode_parts(parts: Sequence[object]) -> bytes:
-    out = bytearray()
+    """Length-prefixed, type-tagged encoding: no two part lists encode alike."""
+    out: list[bytes] = []
     for p in parts:
         if p is None:
-            out += b"N"
-            continue
-        if isinstance(p, bool) or not isinstance(p, str | int):
+            out.append(b"N")
+        elif type(p) is str:
+            data = p.encode("utf-8")
+            out.append(b"s%d:%s" % (len(data), data))
+        elif type(p) is int:
+            data = str(p).encode("ascii")
+            out.append(b"i%d:%s" % (len(data), data))
+        else:
             raise ConfigurationError(f"identity parts are str, int or None, not {type(p).__name__}")
-        tag = b"i" if isinstance(p, int) else b"s"
-        data = str(p).encode("utf-8")
-        out += tag + len(data).to_bytes(4, "big") + data
-    return bytes(out)
+    return b"".join(out)
 
 
 @dataclass(frozen=True, repr=False)
@@ -236,6 +239,9 @@ def canonical_args(args: Any, codec: Codec) -> bytes:
     Raises:
         CodecError: An argument cannot be encoded.
     """
+    raw = codec.encode(args)
+    if raw.isascii():  # no string can change under NFC: skip the walk
+        return raw
     return codec.encode(_nfc(args))
 
 

@@ -405,7 +405,7 @@ class Ledger(QueryMixin):
         except BaseException as exc:
             self._record_failure(out, exc, classify)
             raise
-        self.commit(out, result)
+        self._commit_row(out, result)
         return result
 
     async def aperform(
@@ -483,6 +483,9 @@ class Ledger(QueryMixin):
             LeaseLost: The claim is stale; nothing changed.
             LedgerUnavailable: Not recorded; this ledger now refuses further work.
         """
+        return _record(self._commit_row(claim, result))
+
+    def _commit_row(self, claim: Claim, result: Any) -> Row:
         cipher = self._cipher(claim.subject)
         sealed = Sealer.seal(cipher, self.codec.encode(result), f"{claim.key_id}|result".encode())
         row = self._finish(
@@ -498,7 +501,7 @@ class Ledger(QueryMixin):
             "",
         )
         self._terminal[row["key_id"]] = row
-        return _record(row)
+        return row
 
     def fail(
         self, claim: Claim, error_type: str, message: str, info: Mapping[str, Any] | None = None
@@ -986,16 +989,15 @@ class Ledger(QueryMixin):
         return len(rows)
 
     def _replay(self, row: Row) -> Replay:
-        rec = _record(row)
         try:
-            if rec.status is EffectStatus.FAILED:
+            if row["status"] == EffectStatus.FAILED.value:
                 info = self._open(row, "error")
                 raise EffectFailed(
-                    rec.key_id, str(info["type"]), str(info["message"]), info.get("info")
+                    row["key_id"], str(info["type"]), str(info["message"]), info.get("info")
                 )
-            return Replay(rec, self._open(row, "result"))
+            return Replay(self._open(row, "result"), row)
         except PayloadErased as exc:
-            raise PayloadErased(rec.key_id, rec.subject) from exc
+            raise PayloadErased(row["key_id"], row["subject"]) from exc
 
     def _open(self, row: Row, field: str) -> Any:
         sealed = row[f"{field}_ct"]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from checkpoint.errors import ConfigurationError
@@ -148,14 +149,19 @@ class Replay:
     """The effect already has a definite outcome: return it, do not act.
 
     Attributes:
-        record: The entry.
         result: The recorded result (COMMITTED).
-        error: The recorded error info ``{"type", "message", ...}`` (FAILED).
+        record: The entry (built on first access: replaying is on the hot path).
     """
 
-    record: EffectRecord
-    result: Any = None
-    error: dict[str, Any] | None = None
+    result: Any
+    row: Mapping[str, Any] = field(repr=False, compare=False)
+
+    @property
+    def record(self) -> EffectRecord:
+        """The ledger entry this result was recorded in."""
+        from ._rows import effect_record  # noqa: PLC0415  (_rows imports this module)
+
+        return effect_record(dict(self.row))
 
 
 @dataclass(frozen=True)
