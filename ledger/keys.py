@@ -127,7 +127,10 @@ class Keyring:
         for item in raw.split(","):
             sid, sep, hexval = item.strip().partition(":")
             if not sep:
-                raise ConfigurationError(f"{var}: expected id:hexsecret, got {item.strip()[:8]}…")
+                raise ConfigurationError(
+                    f"{var}: each entry is id:hexsecret (an entry has no ':'; its text is not "
+                    f"shown, as it may be a secret)"
+                )
             try:
                 secrets.append(Secret(sid, bytes.fromhex(hexval)))
             except ValueError as exc:

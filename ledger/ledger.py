@@ -59,6 +59,7 @@ __all__ = ["Ledger"]
 
 T = TypeVar("T")
 _COLS = _schema.COLUMNS
+ERASED = b""  # an outcome recorded after its subject was erased: no payload
 _SELECT = SELECT
 _TERMINAL = TERMINAL
 _row = effect_row
@@ -210,7 +211,12 @@ class Ledger(QueryMixin):
         subj = subject or identity.run_id or f"tenant:{identity.tenant}"
         chain = identity.run_id or f"tenant:{identity.tenant}"
         if identity.run_id is not None and identity.run_id not in self._prefetched:
-            self.prefetch(identity.run_id)
+            try:
+                self.prefetch(identity.run_id)
+            except StoreError as exc:
+                raise LedgerUnavailable(
+                    f"the ledger could not be read ({exc}); nothing was acted on for this call"
+                ) from exc
         for _sid, kid in candidates:
             cached = self._terminal.get(kid)
             if cached is not None:
@@ -267,6 +273,12 @@ class Ledger(QueryMixin):
         ids = [kid for _, kid in candidates]
         marks = ", ".join([q] * len(ids))
         lock = " FOR UPDATE" if self._pg else ""
+        if self._pg and len(ids) > 1:
+            # During a rotation, workers whose current secrets differ would each find no
+            # row and insert their own key id: serialise on every candidate (in one order,
+            # so two claimers never deadlock). SQLite writers are serialised already.
+            for kid in sorted(ids):
+                cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (kid,))
         cur.execute(f"{_SELECT} WHERE key_id IN ({marks}){lock}", ids)
         found = cur.fetchall()
         if not found:
@@ -469,9 +481,7 @@ class Ledger(QueryMixin):
             self.release(claim, detail, error=exc)
         elif outcome is OutcomeClass.REJECTED:
             self.fail(claim, type(exc).__name__, str(exc))
-        elif outcome is OutcomeClass.SUCCEEDED:
-            raise ConfigurationError("an exception cannot be classified as succeeded") from exc
-        else:
+        else:  # AMBIGUOUS, or SUCCEEDED for an exception, which cannot be: in doubt
             self.mark_unknown(claim, detail, error=exc)
 
     # -- outcomes -----------------------------------------------------------------------
@@ -486,8 +496,7 @@ class Ledger(QueryMixin):
         return _record(self._commit_row(claim, result))
 
     def _commit_row(self, claim: Claim, result: Any) -> Row:
-        cipher = self._cipher(claim.subject)
-        sealed = Sealer.seal(cipher, self.codec.encode(result), f"{claim.key_id}|result".encode())
+        sealed = self._seal_outcome(claim.subject, claim.key_id, "result", result)
         row = self._finish(
             claim,
             "committed",
@@ -512,9 +521,8 @@ class Ledger(QueryMixin):
         Raises:
             LeaseLost / LedgerUnavailable: As in :meth:`commit`.
         """
-        cipher = self._cipher(claim.subject)
         payload = {"type": error_type, "message": message, "info": dict(info or {})}
-        sealed = Sealer.seal(cipher, self.codec.encode(payload), f"{claim.key_id}|error".encode())
+        sealed = self._seal_outcome(claim.subject, claim.key_id, "error", payload)
         row = self._finish(
             claim,
             "failed",
@@ -579,8 +587,28 @@ class Ledger(QueryMixin):
 
     def _seal_error(self, claim: Claim, error: BaseException) -> bytes:
         info = {"type": type(error).__name__, "message": str(error)[:2000], "info": {}}
-        cipher = self._cipher(claim.subject)
-        return Sealer.seal(cipher, self.codec.encode(info), f"{claim.key_id}|error".encode())
+        return self._seal_outcome(claim.subject, claim.key_id, "error", info)
+
+    def _seal_outcome(
+        self, subject: str, key_id: str, field: str, value: Any, cur: Any = None
+    ) -> bytes:
+        """Seal an outcome payload. An erased subject yields the empty marker: the outcome
+        is still recorded (and deduplicates), its payload is gone. A data key that cannot
+        be read stops this ledger, as any unrecordable outcome does."""
+        try:
+            if cur is not None:
+                cipher = self._cipher_in_txn(cur, subject)[1]
+            else:
+                cipher = self._cipher(subject)
+        except PayloadErased:
+            return ERASED
+        except StoreError as exc:
+            self._poisoned = exc
+            raise LedgerUnavailable(
+                f"the ledger could not read the data key to record an outcome ({exc}); this "
+                f"ledger now refuses further work"
+            ) from exc
+        return Sealer.seal(cipher, self.codec.encode(value), f"{key_id}|{field}".encode())
 
     def renew(self, claim: Claim) -> Claim:
         """Extend a live claim's lease (for long calls).
@@ -675,8 +703,7 @@ class Ledger(QueryMixin):
                 raise InvalidTransition(key_id, status, f"reconcile with {ev.value}")
             base = {"lease_owner": None, "lease_expires_at": None}
             if ev is Evidence.HAPPENED:
-                cipher = self._cipher_in_txn(cur, row["subject"])[1]
-                sealed = Sealer.seal(cipher, self.codec.encode(result), f"{key_id}|result".encode())
+                sealed = self._seal_outcome(row["subject"], key_id, "result", result, cur)
                 changes = {**base, "status": EffectStatus.COMMITTED.value, "result_ct": sealed}
                 return self._must(
                     self._transition(
@@ -762,9 +789,8 @@ class Ledger(QueryMixin):
                 raise InvalidTransition(key_id, status, "resolve")
             changes: Row = {"lease_owner": None, "lease_expires_at": None}
             if happened:
-                cipher = self._cipher_in_txn(cur, row["subject"])[1]
-                changes["result_ct"] = Sealer.seal(
-                    cipher, self.codec.encode(result), f"{key_id}|result".encode()
+                changes["result_ct"] = self._seal_outcome(
+                    row["subject"], key_id, "result", result, cur
                 )
                 changes["status"] = EffectStatus.COMMITTED.value
             else:
@@ -1003,6 +1029,8 @@ class Ledger(QueryMixin):
         sealed = row[f"{field}_ct"]
         if sealed is None:
             return None
+        if sealed == ERASED:
+            raise PayloadErased(row["key_id"], row["subject"])
         cipher = self._cipher(row["subject"])
         try:
             plain = Sealer.open(cipher, sealed, f"{row['key_id']}|{field}".encode())

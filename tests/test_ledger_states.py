@@ -1,0 +1,754 @@
+"""The ledger's state machine: every transition, its compare-and-set on (key, epoch), and
+the one claim/act/record path (``perform`` / ``aperform``).
+
+Every test runs on SQLite and on PostgreSQL. "Another process" is a new Store and Ledger
+on the same database (no shared caches); time moves through the ledgers' ``clock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from checkpoint import ConfigurationError, Store
+from ledger import (
+    Claim,
+    EffectFailed,
+    EffectInDoubt,
+    EffectInFlight,
+    EffectRecord,
+    EffectStatus,
+    Evidence,
+    InFlightPolicy,
+    InvalidTransition,
+    LeaseLost,
+    Ledger,
+    OutcomeClass,
+    ProviderClass,
+    Replay,
+    UnknownEffect,
+)
+from tests.ledger_support import Clock, Ledgers, audit_rows, effect_row, ident, keyring
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def ledgers(db_url: str, clock: Clock) -> Iterator[Ledgers]:
+    lg = Ledgers(db_url, clock)
+    try:
+        yield lg
+    finally:
+        lg.close()
+
+
+@pytest.fixture
+def ledger(store: Store, ledgers: Ledgers) -> Ledger:
+    return ledgers.on(store, owner="worker-a")
+
+
+def claimed(out: Claim | Replay) -> Claim:
+    assert isinstance(out, Claim), f"expected a Claim, got {out!r}"
+    return out
+
+
+def replayed(out: Claim | Replay) -> Replay:
+    assert isinstance(out, Replay), f"expected a Replay, got {out!r}"
+    return out
+
+
+def events(led: Ledger, chain: str = "run-1") -> list[tuple[str, str, int, str, str]]:
+    """(event, status, epoch, actor, detail) of a chain, in order."""
+    return [
+        (e["event"], e["status"], int(e["epoch"]), e["actor"], e["detail"])
+        for e in led.audit_events(chain)
+    ]
+
+
+# -- claim and the outcomes ----------------------------------------------------------------
+
+
+def test_claim_is_durable_before_acting(ledger: Ledger, ledgers: Ledgers, clock: Clock) -> None:
+    c = claimed(
+        ledger.claim(ident(), {"to": "a@example.com"}, provider_class=ProviderClass.QUERYABLE)
+    )
+    assert c.key_id == ledger.key_id(ident())
+    assert c.epoch == 1
+    assert c.attempt == 1
+    assert c.resend is False
+    assert c.lease_owner == "worker-a"
+    assert c.lease_expires_at == pytest.approx(clock.now + 30.0)
+    assert c.provider_class is ProviderClass.QUERYABLE
+    assert c.provider_key == ledger.keyring.provider_key("k1", c.key_id)
+    assert c.fencing_token == f"{c.provider_key}:1"
+    assert c.subject == "run-1"
+    assert c.chain == "run-1"
+
+    other = ledgers.fresh()
+    rec = other.get(c.key_id)
+    assert rec.status is EffectStatus.CLAIMED
+    assert (rec.epoch, rec.attempts, rec.lease_owner) == (1, 1, "worker-a")
+    assert rec.lease_expires_at == pytest.approx(c.lease_expires_at)
+    assert rec.provider_key == c.provider_key
+    assert (rec.run_id, rec.step_id, rec.effect, rec.tenant) == (
+        "run-1",
+        "notify",
+        "send_email@1",
+        "acme",
+    )
+    assert events(other) == [("claimed", "claimed", 1, "worker-a", "")]
+
+
+def test_commit_replays_in_this_and_in_another_process(ledger: Ledger, ledgers: Ledgers) -> None:
+    c = claimed(ledger.claim(ident(), {"to": "a@example.com"}))
+    rec = ledger.commit(c, {"message_id": "<m1@x>", "n": 1})
+    assert rec.status is EffectStatus.COMMITTED
+    assert rec.outcome_class is OutcomeClass.SUCCEEDED
+    assert (rec.epoch, rec.attempts, rec.lease_owner, rec.lease_expires_at) == (1, 1, None, None)
+    trail = events(ledger)
+
+    again = replayed(ledger.claim(ident(), {"to": "a@example.com"}))
+    assert again.result == {"message_id": "<m1@x>", "n": 1}
+    assert again.record.status is EffectStatus.COMMITTED
+    other = ledgers.fresh()
+    there = replayed(other.claim(ident(), {"to": "a@example.com"}))
+    assert there.result == {"message_id": "<m1@x>", "n": 1}
+    assert there.record.key_id == c.key_id
+    # replays change nothing: no transition, no event
+    assert (
+        events(other)
+        == trail
+        == [
+            ("claimed", "claimed", 1, "worker-a", ""),
+            ("committed", "committed", 1, "worker-a", ""),
+        ]
+    )
+    assert other.get(c.key_id).epoch == 1
+
+
+def test_failed_replays_effect_failed_with_the_recorded_error(
+    ledger: Ledger, ledgers: Ledgers
+) -> None:
+    c = claimed(ledger.claim(ident(), {"amount": 5}))
+    rec = ledger.fail(c, "CardDeclined", "the card was declined", {"code": 402})
+    assert rec.status is EffectStatus.FAILED
+    assert rec.outcome_class is OutcomeClass.REJECTED
+    for led in (ledger, ledgers.fresh()):
+        with pytest.raises(EffectFailed) as exc:
+            led.claim(ident(), {"amount": 5})
+        assert exc.value.key_id == c.key_id
+        assert exc.value.error_type == "CardDeclined"
+        assert exc.value.message == "the card was declined"
+        assert exc.value.info == {"code": 402}
+        assert "CardDeclined: the card was declined" in str(exc.value)
+    assert ledger.get(c.key_id).status is EffectStatus.FAILED
+    assert [e[0] for e in events(ledger)] == ["claimed", "failed"]
+
+
+def test_mark_unknown_puts_the_effect_in_doubt_for_everyone(
+    ledger: Ledger, ledgers: Ledgers
+) -> None:
+    c = claimed(ledger.claim(ident(), {"amount": 5}))
+    rec = ledger.mark_unknown(c, "read timeout after sending")
+    assert rec.status is EffectStatus.UNKNOWN
+    assert rec.outcome_class is OutcomeClass.AMBIGUOUS
+    assert (rec.lease_owner, rec.lease_expires_at) == (None, None)
+    for led in (ledger, ledgers.fresh()):
+        with pytest.raises(EffectInDoubt) as exc:
+            led.claim(ident(), {"amount": 5})
+        assert exc.value.key_id == c.key_id
+        assert exc.value.status == "unknown"
+        assert exc.value.provider_class == "C"
+    assert events(ledger)[-1] == ("unknown", "unknown", 1, "worker-a", "read timeout after sending")
+    assert ledger.get(c.key_id).epoch == 1
+
+
+def test_release_lets_the_next_claim_send_again_with_the_next_epoch(
+    ledger: Ledger, ledgers: Ledgers
+) -> None:
+    c1 = claimed(ledger.claim(ident(), {"amount": 5}))
+    rec = ledger.release(c1, "connection refused")
+    assert rec.status is EffectStatus.NOT_HAPPENED
+    assert rec.outcome_class is OutcomeClass.NOT_SENT
+
+    other = ledgers.fresh(owner="worker-b")
+    c2 = claimed(other.claim(ident(), {"amount": 5}))
+    assert (c2.key_id, c2.provider_key) == (c1.key_id, c1.provider_key)
+    assert (c2.epoch, c2.attempt, c2.lease_owner) == (2, 2, "worker-b")
+    assert c2.fencing_token == f"{c1.provider_key}:2"
+    assert other.commit(c2, "sent").status is EffectStatus.COMMITTED
+    assert replayed(ledger.claim(ident(), {"amount": 5})).result == "sent"
+    assert events(other) == [
+        ("claimed", "claimed", 1, "worker-a", ""),
+        ("not_sent", "not_happened", 1, "worker-a", "connection refused"),
+        ("reclaimed", "claimed", 2, "worker-b", ""),
+        ("committed", "committed", 2, "worker-b", ""),
+    ]
+
+
+def test_a_stale_epoch_changes_nothing(ledger: Ledger, ledgers: Ledgers, store: Store) -> None:
+    c1 = claimed(ledger.claim(ident(), {"amount": 5}))
+    ledger.release(c1)
+    other = ledgers.fresh(owner="worker-b")
+    c2 = claimed(other.claim(ident(), {"amount": 5}))
+    row_before, audit_before = effect_row(store.engine, c1.key_id), audit_rows(store.engine)
+
+    stale_calls: dict[str, Callable[[], object]] = {
+        "commit": lambda: ledger.commit(c1, "late result"),
+        "fail": lambda: ledger.fail(c1, "E", "late"),
+        "mark_unknown": lambda: ledger.mark_unknown(c1, "late"),
+        "release": lambda: ledger.release(c1, "late"),
+        "renew": lambda: ledger.renew(c1),
+    }
+    for name, call in stale_calls.items():
+        with pytest.raises(LeaseLost) as exc:
+            call()
+        assert (exc.value.key_id, exc.value.epoch) == (c1.key_id, 1), name
+        assert (exc.value.current_epoch, exc.value.status) == (2, "claimed"), name
+        assert effect_row(store.engine, c1.key_id) == row_before, name
+        assert audit_rows(store.engine) == audit_before, name
+
+    # the current holder is unaffected, and the stale worker's ledger still works
+    other.commit(c2, "on time")
+    assert replayed(ledger.claim(ident(), {"amount": 5})).result == "on time"
+    assert ledger.get(c1.key_id).epoch == 2
+
+
+def test_a_second_outcome_for_the_same_claim_is_refused(ledger: Ledger, store: Store) -> None:
+    c = claimed(ledger.claim(ident(), {"amount": 5}))
+    ledger.commit(c, "first")
+    row, trail = effect_row(store.engine, c.key_id), audit_rows(store.engine)
+    calls: list[Callable[[], object]] = [
+        lambda: ledger.commit(c, "second"),
+        lambda: ledger.fail(c, "E", "m"),
+        lambda: ledger.mark_unknown(c),
+        lambda: ledger.release(c),
+    ]
+    for call in calls:
+        with pytest.raises(LeaseLost) as exc:
+            call()
+        assert exc.value.status == "committed"
+    assert effect_row(store.engine, c.key_id) == row
+    assert audit_rows(store.engine) == trail
+    assert replayed(ledger.claim(ident(), {"amount": 5})).result == "first"
+
+
+# -- leases -----------------------------------------------------------------------------
+
+
+def test_an_expired_lease_is_in_doubt_never_free(
+    ledger: Ledger, ledgers: Ledgers, clock: Clock
+) -> None:
+    c = claimed(ledger.claim(ident(), {"amount": 5}))
+    other = ledgers.fresh(owner="worker-b")
+    clock.advance(29.0)
+    with pytest.raises(EffectInFlight):
+        other.claim(ident(), {"amount": 5})
+    clock.advance(1.5)
+    with pytest.raises(EffectInDoubt) as exc:
+        other.claim(ident(), {"amount": 5})
+    assert exc.value.status == "unknown"
+    rec = other.get(c.key_id)
+    assert rec.status is EffectStatus.UNKNOWN
+    assert (rec.epoch, rec.attempts, rec.lease_owner) == (1, 1, None)
+    assert events(other)[-1][:4] == ("lease_expired", "unknown", 1, "worker-b")
+    # still in doubt for everyone, including the original owner, whose outcome is fenced
+    with pytest.raises(EffectInDoubt):
+        ledger.claim(ident(), {"amount": 5})
+    with pytest.raises(LeaseLost) as lost:
+        ledger.commit(c, "too late")
+    assert lost.value.status == "unknown"
+    assert other.get(c.key_id).status is EffectStatus.UNKNOWN
+
+
+def test_renew_keeps_a_long_call_live(ledger: Ledger, ledgers: Ledgers, clock: Clock) -> None:
+    c = claimed(ledger.claim(ident(), {"amount": 5}))
+    clock.advance(20.0)
+    renewed = ledger.renew(c)
+    assert renewed.lease_expires_at == pytest.approx(clock.now + 30.0)
+    assert (renewed.epoch, renewed.key_id, renewed.provider_key) == (
+        c.epoch,
+        c.key_id,
+        c.provider_key,
+    )
+    assert ledger.get(c.key_id).lease_expires_at == pytest.approx(renewed.lease_expires_at)
+    clock.advance(20.0)  # past the first lease, inside the renewed one
+    with pytest.raises(EffectInFlight):
+        ledgers.fresh(owner="worker-b").claim(ident(), {"amount": 5})
+    assert ledger.commit(renewed, "done").status is EffectStatus.COMMITTED
+
+
+def test_renew_of_an_expired_claim_that_someone_moved_on_is_refused(
+    ledger: Ledger, ledgers: Ledgers, clock: Clock
+) -> None:
+    c = claimed(ledger.claim(ident(), {"amount": 5}))
+    clock.advance(31.0)
+    with pytest.raises(EffectInDoubt):
+        ledgers.fresh(owner="worker-b").claim(ident(), {"amount": 5})
+    with pytest.raises(LeaseLost):
+        ledger.renew(c)
+
+
+def test_a_live_claim_is_in_flight_for_other_workers(
+    ledger: Ledger, ledgers: Ledgers, store: Store
+) -> None:
+    c = claimed(ledger.claim(ident(), {"amount": 5}))
+    row, trail = effect_row(store.engine, c.key_id), audit_rows(store.engine)
+    other = ledgers.fresh(owner="worker-b", in_flight=InFlightPolicy(wait_s=0))
+    started = time.monotonic()
+    with pytest.raises(EffectInFlight) as exc:
+        other.claim(ident(), {"amount": 5})
+    assert time.monotonic() - started < 2.0
+    assert exc.value.key_id == c.key_id
+    assert exc.value.owner == "worker-a"
+    assert exc.value.expires_at == pytest.approx(c.lease_expires_at)
+    # the same worker asking twice is in flight too: it never gets a second claim
+    with pytest.raises(EffectInFlight):
+        ledger.claim(ident(), {"amount": 5})
+    assert effect_row(store.engine, c.key_id) == row
+    assert audit_rows(store.engine) == trail
+
+
+@pytest.mark.parametrize("outcome", ["commit", "fail", "mark_unknown", "release"])
+def test_a_waiting_claimer_gets_the_owners_outcome(
+    outcome: str, db_url: str, ledgers: Ledgers
+) -> None:
+    owner = ledgers.fresh(owner="worker-a", clock=time.time)
+    waiter = ledgers.fresh(
+        owner="worker-b",
+        clock=time.time,
+        in_flight=InFlightPolicy(wait_s=20.0, initial_backoff_s=0.01, max_backoff_s=0.05),
+    )
+    c = claimed(owner.claim(ident(), {"amount": 5}))
+    got: list[Any] = []
+
+    def wait() -> None:
+        try:
+            got.append(waiter.claim(ident(), {"amount": 5}))
+        except Exception as exc:  # noqa: BLE001  (handed to the test thread)
+            got.append(exc)
+
+    t = threading.Thread(target=wait)
+    started = time.monotonic()
+    t.start()
+    time.sleep(0.3)
+    assert not got, "the waiter returned while the owner's claim was live"
+    if outcome == "commit":
+        owner.commit(c, "delivered")
+    elif outcome == "fail":
+        owner.fail(c, "Rejected", "no such mailbox")
+    elif outcome == "mark_unknown":
+        owner.mark_unknown(c, "timeout")
+    else:
+        owner.release(c, "connection refused")
+    t.join(timeout=15)
+    assert not t.is_alive()
+    assert time.monotonic() - started >= 0.3
+    [res] = got
+    if outcome == "commit":
+        assert replayed(res).result == "delivered"
+    elif outcome == "fail":
+        assert isinstance(res, EffectFailed)
+        assert (res.error_type, res.message) == ("Rejected", "no such mailbox")
+    elif outcome == "mark_unknown":
+        assert isinstance(res, EffectInDoubt)
+        assert res.status == "unknown"
+    else:
+        again = claimed(res)
+        assert (again.epoch, again.lease_owner) == (2, "worker-b")
+
+
+def test_waiting_gives_up_after_wait_s(ledgers: Ledgers) -> None:
+    owner = ledgers.fresh(owner="worker-a", clock=time.time)
+    waiter = ledgers.fresh(owner="worker-b", clock=time.time, in_flight=InFlightPolicy(wait_s=0.4))
+    claimed(owner.claim(ident(), {"amount": 5}))
+    started = time.monotonic()
+    with pytest.raises(EffectInFlight) as exc:
+        waiter.claim(ident(), {"amount": 5})
+    assert 0.35 <= time.monotonic() - started < 5.0
+    assert exc.value.owner == "worker-a"
+
+
+# -- reconciliation ------------------------------------------------------------------------
+
+
+def in_doubt(led: Ledger, args: Any = None, **kwargs: Any) -> Claim:
+    """Claim ident() and mark it UNKNOWN; return the (now stale) claim."""
+    c = claimed(led.claim(ident(), {"amount": 5} if args is None else args, **kwargs))
+    led.mark_unknown(c, "timeout")
+    return c
+
+
+def test_reconcile_happened_commits_the_probed_result(ledger: Ledger, ledgers: Ledgers) -> None:
+    c = in_doubt(ledger, provider_class=ProviderClass.QUERYABLE)
+    rec = ledger.reconcile(
+        c.key_id, Evidence.HAPPENED, result={"id": 7}, actor="probe:imap", detail="found"
+    )
+    assert isinstance(rec, EffectRecord)
+    assert rec.status is EffectStatus.COMMITTED
+    assert rec.epoch == 1
+    for led in (ledger, ledgers.fresh()):
+        assert replayed(led.claim(ident(), {"amount": 5})).result == {"id": 7}
+    assert events(ledger)[-1] == ("reconciled", "committed", 1, "probe:imap", "found")
+
+
+def test_reconcile_not_happened_allows_a_resend_with_the_next_epoch(ledger: Ledger) -> None:
+    c = in_doubt(ledger, provider_class=ProviderClass.QUERYABLE)
+    rec = ledger.reconcile(c.key_id, "not_happened")
+    assert isinstance(rec, EffectRecord)
+    assert rec.status is EffectStatus.NOT_HAPPENED
+    again = claimed(ledger.claim(ident(), {"amount": 5}))
+    assert (again.epoch, again.attempt, again.provider_key) == (2, 2, c.provider_key)
+    assert events(ledger)[-2][:2] == ("reconciled", "not_happened")
+
+
+def test_reconcile_window_open_resends_with_the_same_provider_key(
+    ledger: Ledger, ledgers: Ledgers, clock: Clock
+) -> None:
+    c = in_doubt(ledger, provider_class=ProviderClass.DEDUPLICATING, window_s=3600.0)
+    clock.advance(600.0)
+    other = ledgers.fresh(owner="worker-b")
+    resend = other.reconcile(c.key_id, Evidence.WINDOW_OPEN)
+    assert isinstance(resend, Claim)
+    assert resend.resend is True
+    assert (resend.key_id, resend.provider_key) == (c.key_id, c.provider_key)
+    assert (resend.epoch, resend.attempt, resend.lease_owner) == (2, 2, "worker-b")
+    assert resend.fencing_token == f"{c.provider_key}:2"
+    rec = other.get(c.key_id)
+    assert (rec.status, rec.epoch) == (EffectStatus.CLAIMED, 2)
+    with pytest.raises(LeaseLost):
+        ledger.commit(c, "from the first attempt")
+    other.commit(resend, "deduplicated by provider")
+    assert replayed(ledger.claim(ident(), {"amount": 5})).result == "deduplicated by provider"
+    assert [e[:3] for e in events(other)] == [
+        ("claimed", "claimed", 1),
+        ("unknown", "unknown", 1),
+        ("resend", "claimed", 2),
+        ("committed", "committed", 2),
+    ]
+
+
+def test_reconcile_window_closed_needs_a_human(ledger: Ledger, clock: Clock) -> None:
+    c = in_doubt(ledger, provider_class=ProviderClass.DEDUPLICATING, window_s=3600.0)
+    clock.advance(3601.0)
+    rec = ledger.reconcile(c.key_id, Evidence.WINDOW_OPEN)
+    assert isinstance(rec, EffectRecord)
+    assert (rec.status, rec.epoch) == (EffectStatus.NEEDS_HUMAN, 1)
+    with pytest.raises(EffectInDoubt) as exc:
+        ledger.claim(ident(), {"amount": 5})
+    assert exc.value.status == "needs_human"
+    assert "resolve" in str(exc.value)
+    assert events(ledger)[-1][:2] == ("needs_human", "needs_human")
+
+
+@pytest.mark.parametrize("pclass", [ProviderClass.QUERYABLE, ProviderClass.OPAQUE])
+def test_window_open_is_never_a_resend_for_classes_b_and_c(
+    ledger: Ledger, pclass: ProviderClass
+) -> None:
+    c = in_doubt(ledger, provider_class=pclass)
+    rec = ledger.reconcile(c.key_id, Evidence.WINDOW_OPEN)
+    assert isinstance(rec, EffectRecord)
+    assert (rec.status, rec.epoch) == (EffectStatus.NEEDS_HUMAN, 1)
+
+
+def test_reconcile_inconclusive_needs_a_human(ledger: Ledger) -> None:
+    c = in_doubt(ledger, provider_class=ProviderClass.QUERYABLE)
+    rec = ledger.reconcile(c.key_id, Evidence.INCONCLUSIVE, actor="probe:imap")
+    assert isinstance(rec, EffectRecord)
+    assert rec.status is EffectStatus.NEEDS_HUMAN
+    assert events(ledger)[-1][:4] == ("needs_human", "needs_human", 1, "probe:imap")
+    with pytest.raises(InvalidTransition):
+        ledger.reconcile(c.key_id, Evidence.HAPPENED, result="x")
+
+
+def test_reconcile_an_expired_claim_directly(ledger: Ledger, clock: Clock) -> None:
+    c = claimed(ledger.claim(ident(), {"amount": 5}))
+    with pytest.raises(InvalidTransition) as exc:
+        ledger.reconcile(c.key_id, Evidence.HAPPENED, result=1)
+    assert exc.value.status == "claimed"
+    clock.advance(31.0)
+    rec = ledger.reconcile(c.key_id, Evidence.HAPPENED, result=1)
+    assert isinstance(rec, EffectRecord)
+    assert rec.status is EffectStatus.COMMITTED
+    assert replayed(ledger.claim(ident(), {"amount": 5})).result == 1
+
+
+def test_reconcile_refuses_entries_that_are_not_in_doubt(ledger: Ledger) -> None:
+    done = claimed(ledger.claim(ident(0), 0))
+    ledger.commit(done, "ok")
+    failed = claimed(ledger.claim(ident(1), 1))
+    ledger.fail(failed, "E", "no")
+    released = claimed(ledger.claim(ident(2), 2))
+    ledger.release(released)
+    for c, status in ((done, "committed"), (failed, "failed"), (released, "not_happened")):
+        for ev in Evidence:
+            with pytest.raises(InvalidTransition) as exc:
+                ledger.reconcile(c.key_id, ev, result="x")
+            assert (exc.value.key_id, exc.value.status) == (c.key_id, status)
+        assert ledger.get(c.key_id).status.value == status
+    with pytest.raises(UnknownEffect) as unknown:
+        ledger.reconcile("00" * 32, Evidence.HAPPENED)
+    assert unknown.value.key_id == "00" * 32
+
+
+# -- operator resolution -----------------------------------------------------------------
+
+
+def test_resolve_happened_records_the_operator_and_evidence(
+    ledger: Ledger, ledgers: Ledgers
+) -> None:
+    c = in_doubt(ledger)
+    rec = ledger.resolve(
+        c.key_id,
+        happened=True,
+        evidence="booking 4711 visible in the partner portal",
+        actor="alice@ops",
+        result={"booking": 4711},
+    )
+    assert rec.status is EffectStatus.COMMITTED
+    other = ledgers.fresh()
+    assert replayed(other.claim(ident(), {"amount": 5})).result == {"booking": 4711}
+    assert events(other)[-1] == (
+        "resolved",
+        "committed",
+        1,
+        "alice@ops",
+        "booking 4711 visible in the partner portal",
+    )
+
+
+def test_resolve_not_happened_from_needs_human_allows_a_resend(ledger: Ledger) -> None:
+    c = in_doubt(ledger)
+    ledger.reconcile(c.key_id, Evidence.INCONCLUSIVE)
+    rec = ledger.resolve(
+        c.key_id, happened=False, evidence="no booking in the portal", actor="bob@ops"
+    )
+    assert rec.status is EffectStatus.NOT_HAPPENED
+    assert events(ledger)[-1] == (
+        "resolved",
+        "not_happened",
+        1,
+        "bob@ops",
+        "no booking in the portal",
+    )
+    again = claimed(ledger.claim(ident(), {"amount": 5}))
+    assert (again.epoch, again.provider_key) == (2, c.provider_key)
+
+
+def test_resolve_an_expired_claim(ledger: Ledger, clock: Clock) -> None:
+    c = claimed(ledger.claim(ident(), {"amount": 5}))
+    with pytest.raises(InvalidTransition):
+        ledger.resolve(c.key_id, happened=True, evidence="seen", actor="alice")
+    clock.advance(31.0)
+    rec = ledger.resolve(c.key_id, happened=True, evidence="seen", actor="alice", result=3)
+    assert rec.status is EffectStatus.COMMITTED
+    with pytest.raises(LeaseLost):
+        ledger.commit(c, 4)
+    assert replayed(ledger.claim(ident(), {"amount": 5})).result == 3
+
+
+def test_resolve_refuses_definite_entries_and_needs_evidence(ledger: Ledger, store: Store) -> None:
+    done = claimed(ledger.claim(ident(0), 0))
+    ledger.commit(done, "ok")
+    failed = claimed(ledger.claim(ident(1), 1))
+    ledger.fail(failed, "E", "no")
+    released = claimed(ledger.claim(ident(2), 2))
+    ledger.release(released)
+    for c in (done, failed, released):
+        for happened in (True, False):
+            with pytest.raises(InvalidTransition):
+                ledger.resolve(c.key_id, happened=happened, evidence="e", actor="alice")
+    doubt = claimed(ledger.claim(ident(3), 3))
+    ledger.mark_unknown(doubt)
+    trail = audit_rows(store.engine)
+    for evidence, actor in (("", "alice"), ("  ", "alice"), ("seen", ""), ("seen", " ")):
+        with pytest.raises(ConfigurationError):
+            ledger.resolve(doubt.key_id, happened=True, evidence=evidence, actor=actor)
+    assert audit_rows(store.engine) == trail
+    assert ledger.get(doubt.key_id).status is EffectStatus.UNKNOWN
+    with pytest.raises(UnknownEffect):
+        ledger.resolve("ab" * 32, happened=True, evidence="e", actor="alice")
+
+
+# -- perform: the one claim/act/record path --------------------------------------------------
+
+
+class Provider:
+    """A fake provider that counts every call it receives, by provider key."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.claims: list[Claim] = []
+
+    def send(self, claim: Claim) -> str:
+        self.calls[claim.provider_key] += 1
+        self.claims.append(claim)
+        return f"sent:{claim.epoch}"
+
+
+def test_perform_acts_once_and_replays_everywhere(ledger: Ledger, ledgers: Ledgers) -> None:
+    p = Provider()
+    assert ledger.perform(ident(), {"to": "a"}, p.send) == "sent:1"
+    assert ledger.perform(ident(), {"to": "a"}, p.send) == "sent:1"
+    assert ledgers.fresh().perform(ident(), {"to": "a"}, p.send) == "sent:1"
+    [c] = p.claims
+    rec = ledger.get(c.key_id)
+    assert p.calls == Counter({rec.provider_key: 1})
+    assert c.fencing_token == f"{rec.provider_key}:1"
+    assert (rec.status, rec.epoch, rec.attempts) == (EffectStatus.COMMITTED, 1, 1)
+
+
+def test_perform_not_sent_releases_and_the_next_call_sends(ledger: Ledger) -> None:
+    p = Provider()
+    seen: list[BaseException] = []
+
+    def refused(claim: Claim) -> str:
+        p.send(claim)
+        raise ConnectionRefusedError("connect refused")
+
+    def classify(exc: BaseException) -> OutcomeClass:
+        seen.append(exc)
+        return OutcomeClass.NOT_SENT
+
+    with pytest.raises(ConnectionRefusedError):
+        ledger.perform(ident(), {"to": "a"}, refused, classify=classify)
+    assert isinstance(seen[0], ConnectionRefusedError)
+    key = ledger.key_id(ident())
+    assert ledger.get(key).status is EffectStatus.NOT_HAPPENED
+    assert ledger.perform(ident(), {"to": "a"}, p.send) == "sent:2"
+    assert [c.epoch for c in p.claims] == [1, 2]
+    assert len({c.provider_key for c in p.claims}) == 1
+    assert ledger.get(key).status is EffectStatus.COMMITTED
+
+
+def test_perform_rejected_records_a_definite_failure(ledger: Ledger, ledgers: Ledgers) -> None:
+    p = Provider()
+
+    def rejected(claim: Claim) -> str:
+        p.send(claim)
+        raise ValueError("mailbox does not exist")
+
+    with pytest.raises(ValueError, match="mailbox does not exist"):
+        ledger.perform(ident(), {"to": "a"}, rejected, classify=lambda _exc: OutcomeClass.REJECTED)
+    for led in (ledger, ledgers.fresh()):
+        with pytest.raises(EffectFailed) as exc:
+            led.perform(ident(), {"to": "a"}, p.send)
+        assert (exc.value.error_type, exc.value.message) == ("ValueError", "mailbox does not exist")
+    assert sum(p.calls.values()) == 1
+    assert ledger.get(ledger.key_id(ident())).status is EffectStatus.FAILED
+
+
+class Interrupted(BaseException):
+    """Stands in for KeyboardInterrupt / SystemExit arriving during the call."""
+
+
+@pytest.mark.parametrize("error", [TimeoutError("read timed out"), Interrupted("stop")])
+def test_perform_without_evidence_is_ambiguous(
+    ledger: Ledger, ledgers: Ledgers, error: BaseException
+) -> None:
+    p = Provider()
+
+    def ambiguous(claim: Claim) -> str:
+        p.send(claim)
+        raise error
+
+    with pytest.raises(type(error)):
+        ledger.perform(ident(), {"to": "a"}, ambiguous)
+    key = ledger.key_id(ident())
+    rec = ledger.get(key)
+    assert (rec.status, rec.outcome_class) == (EffectStatus.UNKNOWN, OutcomeClass.AMBIGUOUS)
+    for led in (ledger, ledgers.fresh()):
+        with pytest.raises(EffectInDoubt):
+            led.perform(ident(), {"to": "a"}, p.send)
+    assert sum(p.calls.values()) == 1
+
+
+def test_aperform_32_concurrent_effects_with_async_durability(ledgers: Ledgers) -> None:
+    led = ledgers.fresh(store_kwargs={"durability": "async"}, owner="async-worker")
+    calls: Counter[str] = Counter()
+
+    async def act(claim: Claim) -> str:
+        calls[claim.key_id] += 1
+        await asyncio.sleep(0.01)
+        return f"done:{claim.key_id[:8]}"
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(led.aperform(ident(i), {"n": i}, act) for i in range(32)))
+
+    first = asyncio.run(main())
+    keys = [led.key_id(ident(i)) for i in range(32)]
+    assert first == [f"done:{k[:8]}" for k in keys]
+    assert calls == Counter(dict.fromkeys(keys, 1))
+    second = asyncio.run(main())
+    assert second == first
+    assert calls == Counter(dict.fromkeys(keys, 1))
+
+    sync_view = ledgers.fresh()
+    recs = {r.key_id: r for r in sync_view.effects(run_id="run-1")}
+    assert set(recs) == set(keys)
+    for r in recs.values():
+        assert (r.status, r.epoch, r.attempts) == (EffectStatus.COMMITTED, 1, 1)
+    assert sync_view.verify().ok
+
+
+def test_aperform_concurrent_callers_of_the_same_effects_act_once(ledgers: Ledgers) -> None:
+    led = ledgers.fresh(
+        store_kwargs={"durability": "async"},
+        clock=time.time,
+        in_flight=InFlightPolicy(wait_s=20.0, initial_backoff_s=0.005, max_backoff_s=0.05),
+    )
+    calls: Counter[str] = Counter()
+
+    async def act(claim: Claim) -> str:
+        calls[claim.key_id] += 1
+        await asyncio.sleep(0.05)
+        return claim.key_id
+
+    async def main() -> list[str]:
+        return await asyncio.gather(
+            *(led.aperform(ident(i % 8), {"n": i % 8}, act) for i in range(32))
+        )
+
+    results = asyncio.run(main())
+    keys = [led.key_id(ident(i)) for i in range(8)]
+    assert results == [keys[i % 8] for i in range(32)]
+    assert calls == Counter(dict.fromkeys(keys, 1))
+
+
+def test_aperform_ambiguous_failure_is_recorded_unknown(ledgers: Ledgers) -> None:
+    led = ledgers.fresh(store_kwargs={"durability": "async"})
+
+    async def act(claim: Claim) -> str:
+        await asyncio.sleep(0)
+        raise TimeoutError("no answer")
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(led.aperform(ident(), {"n": 1}, act))
+    assert led.get(led.key_id(ident())).status is EffectStatus.UNKNOWN
+    with pytest.raises(EffectInDoubt):
+        ledgers.fresh().claim(ident(), {"n": 1})
+
+
+def test_lease_must_be_positive(store: Store) -> None:
+    with pytest.raises(ConfigurationError):
+        Ledger(store, keyring(), lease_s=0)
+    with pytest.raises(ConfigurationError):
+        InFlightPolicy(wait_s=-1)
+
+
+def test_class_a_needs_a_window(ledger: Ledger) -> None:
+    for window in (None, 0.0, -5.0):
+        with pytest.raises(ConfigurationError):
+            ledger.claim(
+                ident(), {"a": 1}, provider_class=ProviderClass.DEDUPLICATING, window_s=window
+            )
+    assert ledger.effects() == []
