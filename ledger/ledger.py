@@ -551,15 +551,9 @@ class Ledger(QueryMixin):
         Raises:
             LeaseLost / LedgerUnavailable: As in :meth:`commit`.
         """
-        changes: Row = {
-            "status": EffectStatus.UNKNOWN.value,
-            "outcome_class": OutcomeClass.AMBIGUOUS.value,
-            "lease_owner": None,
-            "lease_expires_at": None,
-        }
-        if error is not None:
-            changes["error_ct"] = self._seal_error(claim, error)
-        return _record(self._finish(claim, "unknown", changes, detail))
+        return self._settle(
+            claim, "unknown", EffectStatus.UNKNOWN, OutcomeClass.AMBIGUOUS, detail, error
+        )
 
     def release(
         self, claim: Claim, detail: str = "not sent", *, error: BaseException | None = None
@@ -575,15 +569,28 @@ class Ledger(QueryMixin):
         Raises:
             LeaseLost / LedgerUnavailable: As in :meth:`commit`.
         """
+        return self._settle(
+            claim, "not_sent", EffectStatus.NOT_HAPPENED, OutcomeClass.NOT_SENT, detail, error
+        )
+
+    def _settle(
+        self,
+        claim: Claim,
+        event: str,
+        status: EffectStatus,
+        outcome: OutcomeClass,
+        detail: str,
+        error: BaseException | None,
+    ) -> EffectRecord:
         changes: Row = {
-            "status": EffectStatus.NOT_HAPPENED.value,
-            "outcome_class": OutcomeClass.NOT_SENT.value,
+            "status": status.value,
+            "outcome_class": outcome.value,
             "lease_owner": None,
             "lease_expires_at": None,
         }
         if error is not None:
             changes["error_ct"] = self._seal_error(claim, error)
-        return _record(self._finish(claim, "not_sent", changes, detail))
+        return _record(self._finish(claim, event, changes, detail))
 
     def _seal_error(self, claim: Claim, error: BaseException) -> bytes:
         info = {"type": type(error).__name__, "message": str(error)[:2000], "info": {}}

@@ -19,6 +19,7 @@ from sqlalchemy import create_engine, text
 from checkpoint import Store
 
 from . import pgserver
+from .ledger_support import Clock, Ledgers
 
 BACKENDS = ["sqlite"] if os.environ.get("ONCEONLY_TEST_NO_PG") == "1" else ["sqlite", "postgresql"]
 
@@ -77,3 +78,19 @@ def store(db_url: str) -> Iterator[Store]:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    """A settable clock for leases and windows."""
+    return Clock()
+
+
+@pytest.fixture
+def ledgers(db_url: str, clock: Clock) -> Iterator[Ledgers]:
+    """Factory of ledgers (each an "other process" view) on the test database."""
+    lg = Ledgers(db_url, clock)
+    try:
+        yield lg
+    finally:
+        lg.close()

@@ -11,7 +11,7 @@ import itertools
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,20 +35,6 @@ from ledger import (
 from ledger.audit import event_hash
 from tests.dbutil import execute, fetch
 from tests.ledger_support import Clock, Ledgers, effect_row, ident, sqlite_path
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def ledgers(db_url: str, clock: Clock) -> Iterator[Ledgers]:
-    lg = Ledgers(db_url, clock)
-    try:
-        yield lg
-    finally:
-        lg.close()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -38,20 +38,6 @@ from tests.ledger_support import (
 )
 
 FAULTS = ["unwritable", "statement fails", "commit fails"]
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def ledgers(db_url: str, clock: Clock) -> Iterator[Ledgers]:
-    lg = Ledgers(db_url, clock)
-    try:
-        yield lg
-    finally:
-        lg.close()
 
 
 def open_ledger(ledgers: Ledgers, **kwargs: Any) -> Ledger:

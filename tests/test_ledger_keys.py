@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import unicodedata
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from ledger import (
 )
 from ledger.keys import canonical_args
 from tests.dbutil import fetch
-from tests.ledger_support import K1, K2, Clock, Ledgers, audit_rows, effect_row, ident
+from tests.ledger_support import K1, K2, Ledgers, audit_rows, effect_row, ident
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,20 +117,6 @@ def ring() -> Keyring:
 
 def fp(args: Any, sid: str = "k1", keys: Keyring | None = None) -> str:
     return (keys or ring()).fingerprint(sid, canonical_args(args, Codec()))
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def ledgers(db_url: str, clock: Clock) -> Iterator[Ledgers]:
-    lg = Ledgers(db_url, clock)
-    try:
-        yield lg
-    finally:
-        lg.close()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ and in every value of every PostgreSQL table.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,20 +59,6 @@ def needles_in(blob: bytes) -> list[str]:
 
 def needles_in_text(s: str) -> list[str]:
     return [n for n in NEEDLES if n in s]
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def ledgers(db_url: str, clock: Clock) -> Iterator[Ledgers]:
-    lg = Ledgers(db_url, clock)
-    try:
-        yield lg
-    finally:
-        lg.close()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import asyncio
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -35,20 +35,6 @@ from ledger import (
     UnknownEffect,
 )
 from tests.ledger_support import Clock, Ledgers, audit_rows, effect_row, ident, keyring
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def ledgers(db_url: str, clock: Clock) -> Iterator[Ledgers]:
-    lg = Ledgers(db_url, clock)
-    try:
-        yield lg
-    finally:
-        lg.close()
 
 
 @pytest.fixture
