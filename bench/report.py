@@ -1,0 +1,708 @@
+"""Render ``docs/performance.md`` and its plots (``docs/img/*.png``) from the raw results."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from . import summary
+from .summary import MB, Target
+from .systems import LABELS
+
+TIMES = "\N{MULTIPLICATION SIGN}"
+IMG = "img"
+PLOTS = {
+    "bytes": "bench-bytes-vs-steps.png",
+    "w2_latency": "bench-w2-latency.png",
+    "w3_resume": "bench-w3-resume.png",
+}
+COLORS = {
+    "onceonly": "#d62728",
+    "onceonly-save": "#ff9896",
+    "onceonly-lazy": "#8c564b",
+    "floor-full": "#7f7f7f",
+    "floor-delta": "#bcbd22",
+    "floor-latest": "#17becf",
+    "langgraph": "#1f77b4",
+    "langgraph-delta": "#9467bd",
+}
+
+
+# -- formatting ----------------------------------------------------------------------
+
+
+def ms(x: float) -> str:
+    """Milliseconds with three significant digits."""
+    if x is None or math.isnan(x):
+        return "—"
+    if x >= 100:
+        return f"{x:,.0f} ms"
+    if x >= 10:
+        return f"{x:.1f} ms"
+    if x >= 1:
+        return f"{x:.2f} ms"
+    return f"{x:.3f} ms"
+
+
+def ratio(x: float) -> str:
+    """A ratio to the floor."""
+    if x is None or math.isnan(x):
+        return "—"
+    if x >= 10:
+        return f"{x:.0f}{TIMES}"
+    if x >= 0.1:
+        return f"{x:.2f}{TIMES}"
+    return f"{x:.3f}{TIMES}"
+
+
+def mbytes(b: float) -> str:
+    """Bytes as MB (10^6)."""
+    if b is None or (isinstance(b, float) and math.isnan(b)):
+        return "—"
+    mb = b / MB
+    if mb >= 100:
+        return f"{mb:,.0f} MB"
+    if mb >= 10:
+        return f"{mb:.1f} MB"
+    return f"{mb:.2f} MB"
+
+
+def label(name: str) -> str:
+    """The table label of a system."""
+    return LABELS.get(name, name)
+
+
+def mark(t: Target) -> str:
+    """Met / missed."""
+    return "**met**" if t.met else "**missed**"
+
+
+def _target_value(t: Target) -> str:
+    return f"{t.value:.2f} MB" if t.unit == "MB" else ratio(t.value)
+
+
+def _loadavg(xs: Sequence[float] | None) -> str:
+    return "/".join(f"{x:.1f}" for x in xs) if xs else "?"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]], align: str = "") -> list[str]:
+    align = align or "l" + "r" * (len(head) - 1)
+    seps = ["---:" if a == "r" else "---" for a in align]
+    out = ["| " + " | ".join(head) + " |", "| " + " | ".join(seps) + " |"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+# -- plots ---------------------------------------------------------------------------
+
+
+def plot(results: dict[str, Any], img: Path) -> dict[str, str]:
+    """Draw the plots that have data; returns {key: file name}."""
+    import matplotlib as mpl
+
+    mpl.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    made: dict[str, str] = {}
+    w2 = results.get("w2")
+    w3 = results.get("w3")
+
+    if w3:
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        for name, build in w3["builds"].items():
+            if "as" in build:
+                continue
+            pts = sorted((int(n), b) for n, b in build.get("bytes_at", {}).items())
+            if not pts:
+                continue
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(
+                xs,
+                [y / MB for y in ys],
+                "o-",
+                color=COLORS.get(name),
+                label=label(name).replace("`", ""),
+            )
+        for skip in results.get("skipped", []):
+            est = skip.get("estimated_bytes")
+            if est:
+                ax.plot(
+                    [1000, 10_000],
+                    [w3["builds"][skip["system"]]["bytes_at"]["1000"] / MB, est / MB],
+                    ":",
+                    color=COLORS.get(skip["system"]),
+                )
+        ax.plot([300], [0.6], "k*", markersize=12, label="W2 target: ≤ 0.6 MB at 300 steps")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("steps in the run's history")
+        ax.set_ylabel("database bytes (MB, after wal_checkpoint(TRUNCATE))")
+        ax.set_title("Bytes stored versus steps (W2 step shape; dotted: extrapolated)")
+        ax.grid(visible=True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(img / PLOTS["bytes"], dpi=110)
+        plt.close(fig)
+        made["bytes"] = PLOTS["bytes"]
+
+    if w2:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+        for ax, key, title in (
+            (axes[0], "write_ms", "checkpoint write latency per step"),
+            (axes[1], "step_ms", "step wall time"),
+        ):
+            for name in w2["systems"]:
+                xs = sorted(
+                    x
+                    for r in w2["runs"]
+                    if r["system"] == name and r["phase"] == "write" and "error" not in r
+                    for x in r[key]
+                )
+                if not xs:
+                    continue
+                n = len(xs)
+                ax.step(
+                    xs,
+                    [(i + 1) / n for i in range(n)],
+                    where="post",
+                    color=COLORS.get(name),
+                    label=label(name).replace("`", ""),
+                )
+            ax.set_xscale("log")
+            ax.set_xlabel("ms (log scale)")
+            ax.set_title(f"W2: {title} (all repetitions)")
+            ax.grid(visible=True, which="both", alpha=0.3)
+        axes[0].set_ylabel("fraction of steps ≤ x")
+        axes[1].legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        fig.savefig(img / PLOTS["w2_latency"], dpi=110)
+        plt.close(fig)
+        made["w2_latency"] = PLOTS["w2_latency"]
+
+    if w3:
+        s3 = summary.summarize_w3(w3)
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        for name, row in s3.items():
+            pts = sorted((n, v) for n, v in row["sizes"].items() if not math.isnan(v["resume_ms"]))
+            if not pts:
+                continue
+            xs = [n for n, _ in pts]
+            med = [v["resume_ms"] for _, v in pts]
+            lo = [v["resume_ms"] - v["min_ms"] for _, v in pts]
+            hi = [v["max_ms"] - v["resume_ms"] for _, v in pts]
+            ax.errorbar(
+                xs,
+                med,
+                yerr=[lo, hi],
+                fmt="o-",
+                capsize=3,
+                color=COLORS.get(name),
+                label=label(name).replace("`", ""),
+            )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("steps in the run's history")
+        ax.set_ylabel("fresh process: open + load + reach next step (ms)")
+        ax.set_title(
+            "W3: resume latency versus history length (median, min-max of per-run medians)"
+        )
+        ax.grid(visible=True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(img / PLOTS["w3_resume"], dpi=110)
+        plt.close(fig)
+        made["w3_resume"] = PLOTS["w3_resume"]
+    return made
+
+
+# -- markdown ------------------------------------------------------------------------
+
+
+def _w2_section(
+    results: dict[str, Any], s2: dict[str, dict[str, Any]], plots: dict[str, str]
+) -> list[str]:
+    w2 = results["w2"]
+    steps = w2["steps"]
+    reps = results["meta"]["reps"]
+    samples = results["meta"].get("samples", 1)
+    lines = [
+        f"## W2 — incremental checkpoints ({steps} steps)",
+        "",
+        (
+            f"One checkpoint per step, sync durability; {reps} repetitions, each phase in a "
+            "fresh process, systems alternating. Figures are medians over repetitions of each "
+            f"run's median (or p99) — for loads, of the median of {samples} fresh-process "
+            f"load(s) per repetition; **{TIMES}floor** is the ratio to the full-pickle floor "
+            "measured in the same repetition (median over repetitions)."
+        ),
+        "",
+        "### Writes",
+        "",
+    ]
+    rows = []
+    for name in w2["systems"]:
+        r = s2[name]
+        if not r["reps"]:
+            rows.append([label(name), *["failed"] + ["—"] * 6])
+            continue
+        rows.append(
+            [
+                label(name),
+                ms(r["write_median_ms"]),
+                ratio(r["x_write_median_ms"]),
+                ms(r["write_p99_ms"]),
+                ratio(r["x_write_p99_ms"]),
+                ms(r["step_median_ms"]),
+                ms(r["step_p99_ms"]),
+                f"{r['total_s']:.3f} s ({ratio(r['x_total_s'])})",
+            ]
+        )
+    lines += _table(
+        [
+            "system",
+            "write median",
+            f"{TIMES}floor",
+            "write p99",
+            f"{TIMES}floor",
+            "step wall median",
+            "step wall p99",
+            f"total, {steps} steps",
+        ],
+        rows,
+    )
+    lines += [
+        "",
+        (
+            "*Write* is the checkpoint call alone: onceonly `update()`/`save()`; for the floors, "
+            "pickling + `INSERT` + `COMMIT`; for LangGraph, the `SqliteSaver.put` + `put_writes` "
+            "calls made during the step (LangGraph has no separate checkpoint call, so its "
+            "comparable figure is the *step wall time*: node entry to next node entry, including "
+            "the saver and the graph's own work). *Step wall* includes computing the step's "
+            "change."
+        ),
+        "",
+        "### Storage and fresh-process load",
+        "",
+    ]
+    rows = []
+    for name in w2["systems"]:
+        r = s2[name]
+        rows.append(
+            [
+                label(name),
+                mbytes(r["bytes"]),
+                ratio(r["x_bytes"]),
+                ms(r["load_ms"]),
+                ratio(r["x_load_ms"]),
+                f"{ms(r['open_ms'])} + {ms(r['load_only_ms'])}",
+                f"{ms(r['cpu_ms'])} ({ratio(r['x_cpu_ms'])})",
+                "yes" if r["verified"] else "**NO**",
+            ]
+        )
+    lines += _table(
+        [
+            "system",
+            f"database after {steps} steps",
+            f"{TIMES}floor",
+            "open + load latest, fresh process",
+            f"{TIMES}floor",
+            "of which open + load",
+            f"process CPU time ({TIMES}floor)",
+            "state verified",
+        ],
+        rows,
+    )
+    lines += [
+        "",
+        (
+            "Bytes: database file + WAL after `PRAGMA wal_checkpoint(TRUNCATE)` (MB = 10⁶ bytes). "
+            "The load is timed from before opening the database to holding the latest state "
+            "(LangGraph: `SqliteSaver` + `compile()` + `get_state()`); the state is then compared "
+            "with the expected one, outside the timing."
+        ),
+        "",
+    ]
+    if "w2_latency" in plots:
+        lines += [
+            f"![W2 write latency and step wall time, CDF]({IMG}/{plots['w2_latency']})",
+            "",
+        ]
+    return lines
+
+
+def _w3_section(
+    results: dict[str, Any], s3: dict[str, dict[str, Any]], plots: dict[str, str]
+) -> list[str]:
+    w3 = results["w3"]
+    sizes = sorted({n for s in w3["sizes"].values() for n in s})
+    lines = [
+        "## W3 — resume cost versus history length",
+        "",
+        "Runs of " + ", ".join(f"{n:,}" for n in sizes) + " W2-shaped steps. In a fresh "
+        "process: open the database, load the latest checkpoint and reach the start of the "
+        "next step (onceonly: `Store.open` + `get_run` + `load`, and where the store offers "
+        "it `load(lazy=True)`, which reads list chunks on first access; floors: connect + read + "
+        "unpickle/replay; LangGraph: `SqliteSaver` + `compile()` + `invoke(None)` of a "
+        "thread left by a crash, timed to the entry of the next node). The live state grows "
+        "with the history (one 500-char message per step: ≈ 0.16 MB at 100 steps, ≈ 5.1 MB "
+        "at 10 000), so some growth is inherent; the *latest-only* floor shows how much. "
+        f"**{TIMES}floor** is the ratio to that floor at the same size, in the same repetition.",
+        "",
+    ]
+    head = ["system", *[f"{n:,} steps" for n in sizes], "ratio largest / 100"]
+    rows = []
+    for name in w3["sizes"]:
+        r = s3[name]
+        cells = [label(name)]
+        for n in sizes:
+            v = r["sizes"].get(n)
+            if v is None:
+                cells.append("skipped")
+            elif math.isnan(v["resume_ms"]):
+                cells.append("failed")
+            else:
+                ok = "" if v["verified"] else " **unverified**"
+                cells.append(f"{ms(v['resume_ms'])} ({ratio(v['x_floor'])}){ok}")
+        hi = r["ratio_hi"]
+        cells.append(
+            f"{ratio(r['ratio'])} ({hi:,}/{r['ratio_lo']:,})" if not math.isnan(r["ratio"]) else "—"
+        )
+        rows.append(cells)
+    lines += _table(head, rows)
+    lines += [
+        "",
+        (
+            "The same resumes in process CPU time (`time.process_time()` over the same region): "
+            "less sensitive to other work on a shared machine, blind to waiting for I/O."
+        ),
+        "",
+    ]
+    rows = []
+    for name in w3["sizes"]:
+        r = s3[name]
+        cells = [label(name)]
+        for n in sizes:
+            v = r["sizes"].get(n)
+            if v is None:
+                cells.append("skipped")
+            else:
+                cells.append(f"{ms(v['cpu_ms'])} ({ratio(v['x_floor_cpu'])})")
+        rows.append(cells)
+    lines += _table(head[:-1], rows)
+    lines += ["", "Database bytes after each history (from the build):", ""]
+    rows = []
+    for name in w3["sizes"]:
+        r = s3[name]
+        cells = [label(name)]
+        for n in sizes:
+            v = r["sizes"].get(n)
+            cells.append(mbytes(v["bytes"]) if v else "skipped")
+        build = r["build"]
+        if "as" in build:
+            cells.append(f"(the {build['as']} histories)")
+        else:
+            cells.append(f"{build['build_s']:.1f} s" if "build_s" in build else "failed")
+        rows.append(cells)
+    lines += _table(["system", *[f"{n:,} steps" for n in sizes], "build time"], rows)
+    lines += [""]
+    if "w3_resume" in plots:
+        lines += [f"![W3 resume latency versus history length]({IMG}/{plots['w3_resume']})", ""]
+    return lines
+
+
+def _targets_section(ts: Sequence[Target]) -> list[str]:
+    rows = [
+        [t.workload, t.text, label(t.system), _target_value(t), _spread(t), mark(t)] for t in ts
+    ]
+    return [
+        "## Targets (from BENCH.md)",
+        "",
+        *_table(
+            ["workload", "target", "system", "measured", "range over repetitions", "status"],
+            rows,
+            "lllrrl",
+        ),
+        "",
+        (
+            "A ratio is the median over repetitions of the ratio measured within one repetition; "
+            "the range shows how far single repetitions strayed (a status near its limit can flip "
+            "from one invocation to the next)."
+        ),
+        "",
+    ]
+
+
+def _spread(t: Target) -> str:
+    lo, hi = t.spread
+    if math.isnan(lo):
+        return "—"
+    return f"{ratio(lo)} to {ratio(hi)}"
+
+
+def _observations(
+    results: dict[str, Any], s2: dict[str, Any] | None, s3: dict[str, Any] | None
+) -> list[str]:
+    obs: list[str] = []
+    if s2 and "onceonly" in s2:
+        o, f = s2["onceonly"], s2.get(results["w2"]["floor"], {})
+        obs.append(
+            f"onceonly's fresh-process load splits into open {ms(o['open_ms'])} + load "
+            f"{ms(o['load_only_ms'])}; the floor's into open {ms(f.get('open_ms', math.nan))} + "
+            f"load {ms(f.get('load_only_ms', math.nan))}."
+        )
+        kf = o.get("extra", {}).get("keyframe_seqs")
+        if kf is not None:
+            obs.append(
+                f"onceonly wrote {o['extra'].get('checkpoints')} checkpoints in W2, keyframes at "
+                f"seq {', '.join(map(str, kf))} (default `KeyframePolicy`)."
+            )
+    if s3 and "onceonly" in s3:
+        parts = []
+        for n, v in sorted(s3["onceonly"]["sizes"].items()):
+            parts.append(f"{n:,}: open {ms(v['open_ms'])} + get_run/load {ms(v['load_ms'])}")
+        obs.append("onceonly resume breakdown — " + "; ".join(parts) + ".")
+    if s3 and "floor-latest" in s3:
+        fl = s3["floor-latest"]
+        if not math.isnan(fl["ratio"]):
+            obs.append(
+                f"The latest-only floor, which reads nothing but the live state, itself grows "
+                f"{ratio(fl['ratio'])} from {fl['ratio_lo']:,} to {fl['ratio_hi']:,} steps: the "
+                "state grows ≈ 33-fold over that range. A resume ratio ≤ 1.5 is reachable only "
+                "while fixed costs dominate or if the resume does not materialise the whole "
+                "message list."
+            )
+    for name in ("onceonly", "onceonly-lazy"):
+        types = {
+            r.get("extra", {}).get("messages_type")
+            for r in results.get("w3", {}).get("runs", [])
+            if r.get("system") == name and "error" not in r
+        } - {None}
+        if types:
+            obs.append(
+                f"{label(name)}: `messages` came back as "
+                + ", ".join(f"`{t}`" for t in sorted(types))
+                + " (compared element by element with the expected list after the timing, "
+                "before the store was closed)."
+            )
+    for name in ("langgraph", "langgraph-delta"):
+        extra = (s2 or {}).get(name, {}).get("extra", {})
+        if extra:
+            obs.append(
+                f"{label(name)}: journal_mode={extra.get('journal_mode')}, "
+                f"synchronous={extra.get('synchronous')} (2 = FULL, SQLite's default, read back "
+                f"from the saver's connection); saver calls per step "
+                f"{extra.get('saver_calls_per_step')}."
+            )
+            break
+    return obs
+
+
+def render(results: dict[str, Any], docs: Path) -> Path:
+    """Write ``docs/performance.md`` and ``docs/img/*.png``; returns the markdown path."""
+    docs.mkdir(parents=True, exist_ok=True)
+    plots = plot(results, docs / IMG)
+    meta = results["meta"]
+    s2 = summary.summarize_w2(results["w2"]) if "w2" in results else None
+    s3 = summary.summarize_w3(results["w3"]) if "w3" in results else None
+    ts = summary.targets(s2, s3)
+    pk = meta["packages"]
+    lines = [
+        "# Performance",
+        "",
+        (
+            "<!-- Generated by `python -m bench` (bench/report.py) from bench/results/latest.json; "
+            "edits here are overwritten. -->"
+        ),
+        "",
+        (
+            f"Measured {meta['started_utc'][:10]} ({meta['started_utc']}) with "
+            f"{meta['reps']} repetitions{' in `--quick` mode' if meta.get('quick') else ''}, "
+            f"{meta['duration_s'] / 60:.1f} min in all. Reproduce with **`{COMMAND_TEXT}`** "
+            "(installs the `bench` extra into `.venv`, then runs `python -m bench`; "
+            "`python -m bench --quick` for a 3-minute check). Workloads, floors, peers and "
+            "targets are defined in BENCH.md; absolute times on these shared 2-core machines "
+            "drift by ±15 %, ratios hold."
+        ),
+        "",
+    ]
+    if meta.get("working_tree_sha256_after"):
+        lines += [
+            (
+                "> `checkpoint/` changed in the working tree while this run was in progress; "
+                "every phase ran from the copy taken at the start (checkpoint/ sha256 "
+                f"{meta['checkpoint_src_sha256']})."
+            ),
+            "",
+        ]
+    lines += _targets_section(ts)
+    lines += [
+        "## Machine",
+        "",
+        *_table(
+            ["", ""],
+            [
+                ["CPUs (nproc)", f"{meta['nproc']} ({meta.get('cpu') or 'unknown CPU'})"],
+                ["OS", meta["platform"]],
+                ["Python", meta["python"]],
+                ["SQLite", meta["sqlite"]],
+                [
+                    "load average (1/5/15 min)",
+                    (
+                        f"start {_loadavg(meta.get('loadavg_start'))}, "
+                        f"end {_loadavg(meta.get('loadavg_end'))} (the machine is shared)"
+                    ),
+                ],
+                [
+                    "onceonly",
+                    (
+                        f"{pk.get('onceonly')} (git {meta['git_head']}, checkpoint/ "
+                        f"sha256 {meta['checkpoint_src_sha256']})"
+                    ),
+                ],
+                ["SQLAlchemy", pk.get("SQLAlchemy", "")],
+                [
+                    "LangGraph",
+                    (
+                        f"langgraph {pk.get('langgraph')}, langgraph-checkpoint "
+                        f"{pk.get('langgraph-checkpoint')}, langgraph-checkpoint-sqlite "
+                        f"{pk.get('langgraph-checkpoint-sqlite')}"
+                    ),
+                ],
+            ],
+            "ll",
+        ),
+        "",
+    ]
+    if s2 is not None:
+        lines += _w2_section(results, s2, plots)
+    if s3 is not None:
+        lines += _w3_section(results, s3, plots)
+    if "bytes" in plots:
+        lines += [
+            "## Bytes stored versus steps",
+            "",
+            f"![Bytes stored versus steps, per system]({IMG}/{plots['bytes']})",
+            "",
+            (
+                "Measured while building the W3 histories (after `wal_checkpoint(TRUNCATE)` at "
+                "each point); dotted segments are the extrapolations behind the skipped runs."
+            ),
+            "",
+        ]
+    skipped = results.get("skipped", [])
+    errors = [(n, e) for s in (s2 or {}, s3 or {}) for n, r in s.items() for e in r["errors"]]
+    if skipped or errors:
+        lines += ["## Skipped or failed", ""]
+        for sk in skipped:
+            size = f"{sk['size']:,} steps" if sk["size"] else "all sizes"
+            lines.append(
+                f"- {sk['workload']} {label(sk['system'])}, {size}: skipped — {sk['reason']}."
+            )
+        for name, err in errors:
+            first = err.splitlines()[0]
+            lines.append(f"- {label(name)}: failed — `{first}`")
+        lines.append("")
+    obs = _observations(results, s2, s3)
+    lines += [
+        "## Method",
+        "",
+        (
+            "- Each phase (a W2 write, a W2 load, a W3 build, a W3 resume) runs in a fresh "
+            "process (`python -m bench.w2 …`, `python -m bench.w3 …`) from a copy of "
+            "`checkpoint/` and `bench/` taken at the start; within a repetition the systems "
+            "alternate in a fixed order: the W2 writes of all systems, then "
+            f"{meta.get('samples', 1)} round(s) of their loads; in W3, for each size, "
+            f"{meta.get('samples', 1)} round(s) of resumes. A repetition's figure for a load "
+            "or resume is the median of its rounds."
+        ),
+        (
+            "- Before its timed region every phase collects and freezes the heap its imports left "
+            "(`gc.collect(); gc.freeze()`), for every system alike, so that a full collection of "
+            "import-time objects does not land in one system's window by accident of allocation "
+            "counts; collections of what the timed code allocates still count."
+        ),
+        (
+            "- p99 is nearest-rank over the run's 300 steps; the published p99 is the median "
+            "over repetitions of each run's p99."
+        ),
+        (
+            "- Floors use stdlib `sqlite3` in WAL mode with `synchronous=FULL` (read back), one "
+            "`BEGIN IMMEDIATE … COMMIT` per checkpoint, `pickle` protocol "
+            f"{pickle.HIGHEST_PROTOCOL}."
+        ),
+        (
+            "- onceonly runs with its defaults (`Durability.SYNC`, default `KeyframePolicy`); "
+            'LangGraph with `durability="sync"` and `SqliteSaver` on a plain '
+            "`sqlite3.connect()` (its `setup()` turns on WAL; `synchronous` stays SQLite's "
+            "default FULL). DeltaChannel (beta in LangGraph 1.2) is used with its default "
+            "`snapshot_frequency=100` and the same reducers in batched form."
+        ),
+        (
+            "- W3 histories are written once per invocation by each system's fastest path that "
+            "stores the same rows (onceonly: `Durability.EXIT` flushed every 1 000 steps; floors: "
+            'batched transactions with `synchronous=NORMAL`; LangGraph: `durability="async"`; '
+            "the latest-only floor writes the state once per size, since that table never holds "
+            "anything else) and copied at each size after a TRUNCATE checkpoint. LangGraph's "
+            "thread is left by an exception raised at the entry of the next step (a simulated "
+            "crash) and resumed with `invoke(None, config)`. Every resume works on a pristine "
+            "copy."
+        ),
+        (
+            "- Every loaded or resumed state is compared with the expected state after the "
+            "timing; a mismatch is flagged in the tables."
+        ),
+        "",
+    ]
+    if obs:
+        lines += ["## Observations", "", *[f"- {o}" for o in obs], ""]
+    lines += [
+        (
+            "Raw per-phase results, including every per-step latency: "
+            "[`bench/results/latest.json`](../bench/results/latest.json)."
+        ),
+        "",
+    ]
+    path = docs / "performance.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+COMMAND_TEXT = "make bench"
+
+
+def console_summary(results: dict[str, Any]) -> Table:
+    """The headline figures as a rich table."""
+    t = Table(title="onceonly bench: headline figures")
+    t.add_column("workload")
+    t.add_column("system")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_column(f"{TIMES}floor", justify="right")
+    if "w2" in results:
+        s2 = summary.summarize_w2(results["w2"])
+        for name, r in s2.items():
+            t.add_row(
+                "W2", name, "write median", ms(r["write_median_ms"]), ratio(r["x_write_median_ms"])
+            )
+            t.add_row("W2", name, "bytes", mbytes(r["bytes"]), ratio(r["x_bytes"]))
+            t.add_row("W2", name, "fresh load", ms(r["load_ms"]), ratio(r["x_load_ms"]))
+    if "w3" in results:
+        s3 = summary.summarize_w3(results["w3"])
+        for name, r in s3.items():
+            for n, v in sorted(r["sizes"].items()):
+                t.add_row("W3", name, f"resume @ {n:,}", ms(v["resume_ms"]), ratio(v["x_floor"]))
+            t.add_row(
+                "W3", name, f"ratio {r['ratio_hi']:,}/{r['ratio_lo']:,}", ratio(r["ratio"]), ""
+            )
+    for tg in summary.targets(
+        summary.summarize_w2(results["w2"]) if "w2" in results else None,
+        summary.summarize_w3(results["w3"]) if "w3" in results else None,
+    ):
+        t.add_row(tg.workload, tg.system, tg.text, _target_value(tg), "met" if tg.met else "MISSED")
+    return t

@@ -1,0 +1,469 @@
+"""The orchestrator behind ``python -m bench``: runs every phase in a fresh process,
+alternating systems within each repetition, shows progress, writes the raw results
+(``bench/results/latest.json``) and renders ``docs/performance.md`` with its plots."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import itertools
+import json
+import os
+import platform
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from . import w2, w3, workload
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "latest.json"
+DOCS = ROOT / "docs"
+COMMAND = "make bench"
+PHASE_TIMEOUT_S = 600
+BUILD_TIMEOUT_S = 1800
+
+
+@dataclass
+class Plan:
+    """What one invocation runs."""
+
+    reps: int
+    quick: bool
+    workloads: list[str]
+    samples: int = 1  # fresh-process load/resume samples per cell and repetition
+    w2_steps: int = w2.STEPS
+    w2_systems: list[str] = field(default_factory=lambda: list(w2.SYSTEMS))
+    w3_sizes: dict[str, list[int]] = field(default_factory=dict)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+
+def make_plan(
+    reps: int, samples: int, *, quick: bool, workloads: Sequence[str], lazy: bool
+) -> Plan:
+    """The systems and sizes to run, and what is skipped and why."""
+    plan = Plan(reps=reps, quick=quick, workloads=list(workloads), samples=samples)
+    growing = (
+        "every checkpoint stores the whole state, which grows by one 500-char message per "
+        "step, so the database grows quadratically: for 10 000 steps, about {est}"
+    )
+    for name in w3.SYSTEMS:
+        sizes = list(w3.SIZES)
+        if name == "onceonly-lazy" and not lazy:
+            plan.skipped.append(
+                {
+                    "workload": "W3",
+                    "system": name,
+                    "size": 0,
+                    "reason": "this checkpoint/ has no `Store.load(lazy=...)`",
+                }
+            )
+            continue
+        if name in ("floor-full", "langgraph"):
+            sizes = [100, 1000]
+            plan.skipped.append(
+                {"workload": "W3", "system": name, "size": 10_000, "reason": growing}
+            )
+        if quick and name in ("floor-full", "langgraph"):
+            sizes = [100]
+            plan.skipped.append(
+                {
+                    "workload": "W3",
+                    "system": name,
+                    "size": 1000,
+                    "reason": "--quick (a 1 000-step history is ~365 MB, ~6-10 s to write)",
+                }
+            )
+        if quick and name == "langgraph-delta":
+            sizes = [100, 1000]
+            plan.skipped.append(
+                {
+                    "workload": "W3",
+                    "system": name,
+                    "size": 10_000,
+                    "reason": "--quick (building 10 000 LangGraph steps takes ~30-60 s)",
+                }
+            )
+        plan.w3_sizes[name] = sizes
+    return plan
+
+
+def machine() -> dict[str, Any]:
+    """Where and with what the benchmark ran."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        rev = "unknown"
+    return {
+        "nproc": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "packages": {
+            p: version(p)
+            for p in (
+                "onceonly",
+                "SQLAlchemy",
+                "langgraph",
+                "langgraph-checkpoint",
+                "langgraph-checkpoint-sqlite",
+                "matplotlib",
+            )
+        },
+        "git_head": rev,
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """A digest of ``checkpoint/*.py``: ties the figures to the code measured (the working
+    tree may hold uncommitted changes)."""
+    h = hashlib.sha256()
+    for p in sorted((root / "checkpoint").glob("*.py")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def snapshot_sources(tmp: Path) -> Path:
+    """Copy ``checkpoint/`` and ``bench/`` as they are now; every phase runs from the copy
+    (its working directory comes first on ``sys.path``), so all phases of one invocation
+    measure the same code even if the working tree changes meanwhile."""
+    src = tmp / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
+    for pkg in ("checkpoint", "bench"):
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=skip)
+    return src
+
+
+def probe_lazy(src: Path) -> bool:
+    """Whether the copied ``checkpoint`` offers ``Store.load(lazy=...)``."""
+    code = (
+        "import inspect, checkpoint; "
+        "print('lazy' in inspect.signature(checkpoint.Store.load).parameters)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=src, capture_output=True, text=True, check=False
+    )
+    return proc.stdout.strip() == "True"
+
+
+class Runner:
+    """Runs phases as child processes and collects their JSON results."""
+
+    def __init__(self, tmp: Path, src: Path, console: Console) -> None:
+        self.tmp = tmp
+        self.src = src
+        self.console = console
+        self._n = 0
+
+    def phase(self, module: str, args: Sequence[str], *, timeout: float) -> dict[str, Any]:
+        """Run ``python -m module args --out X`` in a fresh process; its result or an error."""
+        self._n += 1
+        out = self.tmp / f"result-{self._n}.json"
+        cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                cmd,
+                check=False,
+                cwd=self.src,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s: {' '.join(cmd[2:])}"}
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+            msg = f"exit {proc.returncode}: {' '.join(cmd[2:])}\n" + "\n".join(tail)
+            self.console.print(f"[red]phase failed[/red] {msg}")
+            return {"error": msg}
+        result: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+        out.unlink()
+        result["process_wall_s"] = wall
+        return result
+
+
+def _remove_db(db: Path) -> None:
+    for p in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        p.unlink(missing_ok=True)
+
+
+def run_w2(plan: Plan, runner: Runner, progress: Progress, task: Any) -> dict[str, Any]:
+    """W2: per repetition, a write phase per system, then a load phase per system."""
+    runs: list[dict[str, Any]] = []
+    for rep in range(plan.reps):
+        repdir = runner.tmp / "w2" / f"rep{rep}"
+        repdir.mkdir(parents=True)
+        rounds = [("write", 0)] + [("load", k) for k in range(plan.samples)]
+        for phase, sample in rounds:
+            for name in plan.w2_systems:
+                progress.update(task, description=f"W2 rep {rep + 1}/{plan.reps} {phase} {name}")
+                db = repdir / f"{name}.db"
+                res = runner.phase(
+                    "bench.w2",
+                    [phase, "--system", name, "--db", str(db), "--steps", str(plan.w2_steps)],
+                    timeout=PHASE_TIMEOUT_S,
+                )
+                runs.append({"rep": rep, "sample": sample, "system": name, "phase": phase, **res})
+                progress.advance(task)
+        line = [
+            f"{r['system']} {r['write']['median_ms']:.2f} ms"
+            for r in runs
+            if r["rep"] == rep and r["phase"] == "write" and "error" not in r
+        ]
+        progress.console.print(f"W2 rep {rep + 1}: write median " + ", ".join(line))
+        shutil.rmtree(repdir)
+    return {"steps": plan.w2_steps, "systems": plan.w2_systems, "floor": w2.FLOOR, "runs": runs}
+
+
+def run_w3(plan: Plan, runner: Runner, progress: Progress, task: Any) -> dict[str, Any]:
+    """W3: one build per system, then per repetition a fresh-process resume per size and
+    system, alternating systems."""
+    builds: dict[str, dict[str, Any]] = {}
+    root = runner.tmp / "w3"
+    for name, sizes in plan.w3_sizes.items():
+        if name in w3.BUILD_AS:
+            continue
+        progress.update(task, description=f"W3 build {name} ({max(sizes)} steps)")
+        res = runner.phase(
+            "bench.w3",
+            [
+                "build",
+                "--system",
+                name,
+                "--workdir",
+                str(root / name),
+                "--sizes",
+                ",".join(map(str, sizes)),
+            ],
+            timeout=BUILD_TIMEOUT_S,
+        )
+        builds[name] = res
+        progress.advance(task)
+        if "error" not in res:
+            progress.console.print(
+                f"W3 build {name}: {max(sizes)} steps in {res['build_s']:.1f} s, "
+                f"{res['bytes_at'][str(max(sizes))] / 1e6:.2f} MB"
+            )
+    for name, source in w3.BUILD_AS.items():
+        if name in plan.w3_sizes:
+            builds[name] = {**builds.get(source, {"error": f"no {source} build"}), "as": source}
+    runs: list[dict[str, Any]] = []
+    sizes_all = sorted({n for s in plan.w3_sizes.values() for n in s})
+    for rep in range(plan.reps):
+        for n, sample, (name, sizes) in itertools.product(
+            sizes_all, range(plan.samples), plan.w3_sizes.items()
+        ):
+            if n not in sizes or "error" in builds[name]:
+                continue
+            progress.update(task, description=f"W3 rep {rep + 1}/{plan.reps} resume {name} @ {n}")
+            # A pristine copy per phase: a resume may write (LangGraph records the
+            # interrupted task), and every system starts from the same kind of file.
+            work = root / "work" / f"{name}-{n}.db"
+            work.parent.mkdir(parents=True, exist_ok=True)
+            built = root / w3.BUILD_AS.get(name, name)
+            shutil.copyfile(w3.snapshot_path(built, n), work)
+            res = runner.phase(
+                "bench.w3",
+                ["resume", "--system", name, "--db", str(work), "--steps", str(n)],
+                timeout=PHASE_TIMEOUT_S,
+            )
+            _remove_db(work)
+            runs.append({"rep": rep, "sample": sample, "system": name, "steps": n, **res})
+            progress.advance(task)
+        line = [
+            f"{r['steps']}: {r['resume_ms']:.1f} ms"
+            for r in runs
+            if r["rep"] == rep and r["system"] == "onceonly" and "error" not in r
+        ]
+        progress.console.print(f"W3 rep {rep + 1}: onceonly resume " + ", ".join(line))
+    return {
+        "sizes": plan.w3_sizes,
+        "systems": list(plan.w3_sizes),
+        "floor": w3.FLOOR,
+        "builds": builds,
+        "runs": runs,
+    }
+
+
+def _estimate_skips(plan: Plan, w3res: dict[str, Any] | None) -> None:
+    """Fill the size estimate into the quadratic-growth skip reasons."""
+
+    def cumulative(n: int) -> int:
+        return sum(workload.live_state_bytes(s) for s in range(1, n + 1))
+
+    for skip in plan.skipped:
+        if "{est}" not in skip["reason"]:
+            continue
+        gb = cumulative(10_000) / 1e9
+        est = f"{gb:.0f} GB (sum of the live state over the steps)"
+        build = (w3res or {}).get("builds", {}).get(skip["system"], {})
+        measured = build.get("bytes_at", {}).get("1000")
+        if measured:
+            gb = measured * cumulative(10_000) / cumulative(1000) / 1e9
+            est = f"{gb:.0f} GB (extrapolated from the measured 1 000-step size)"
+            skip["estimated_bytes"] = int(gb * 1e9)
+        skip["reason"] = skip["reason"].format(est=est)
+
+
+def _show(p: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="onceonly benchmarks W2 (incremental checkpoints) and W3 (resume cost "
+        "versus history length) against floors and LangGraph; see /work/shared/BENCH.md.",
+    )
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 3 quick)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="fresh-process load/resume samples per repetition (default 3; 1 quick)",
+    )
+    p.add_argument("--quick", action="store_true", help="fewer, smaller W3 histories")
+    p.add_argument("--only", choices=["w2", "w3"], action="append", help="run one workload")
+    p.add_argument("--out", type=Path, default=RESULTS, help="raw results JSON")
+    p.add_argument("--docs", type=Path, default=DOCS, help="where performance.md goes")
+    p.add_argument(
+        "--render-only", action="store_true", help="re-render the docs from --out, run nothing"
+    )
+    p.add_argument("--keep-tmp", action="store_true", help="keep the databases under /tmp")
+    a = p.parse_args(argv)
+
+    from . import report  # matplotlib is only needed once results exist
+
+    console = Console()
+    if a.render_only:
+        results = json.loads(a.out.read_text(encoding="utf-8"))
+        report.render(results, a.docs)
+        console.print(f"rendered {a.docs / 'performance.md'}")
+        return 0
+    reps = a.reps if a.reps is not None else (3 if a.quick else 5)
+    samples = a.samples if a.samples is not None else (1 if a.quick else 3)
+    if reps < 3:
+        console.print("[yellow]fewer than 3 repetitions: fine for a try, not for publishing")
+    meta = machine()
+    started = dt.datetime.now(dt.UTC)
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="onceonly-bench-", dir="/tmp"))
+    src = snapshot_sources(tmp)
+    meta["checkpoint_src_sha256"] = source_digest(src)
+    lazy = probe_lazy(src)
+    plan = make_plan(reps, samples, quick=a.quick, workloads=a.only or ["w2", "w3"], lazy=lazy)
+    runner = Runner(tmp, src, console)
+    n_w2 = reps * (1 + samples) * len(plan.w2_systems) if "w2" in plan.workloads else 0
+    n_w3 = 0
+    if "w3" in plan.workloads:
+        n_builds = len([n for n in plan.w3_sizes if n not in w3.BUILD_AS])
+        n_w3 = n_builds + reps * samples * sum(len(s) for s in plan.w3_sizes.values())
+    results: dict[str, Any] = {
+        "meta": {
+            **meta,
+            "started_utc": started.isoformat(timespec="seconds"),
+            "reps": reps,
+            "samples": samples,
+            "quick": a.quick,
+            "workloads": plan.workloads,
+            "command": COMMAND + (" (python -m bench --quick)" if a.quick else ""),
+            "tmp": str(tmp),
+        },
+        "skipped": plan.skipped,
+    }
+    console.print(
+        f"[bold]onceonly bench[/bold]: {', '.join(plan.workloads).upper()}, {reps} repetitions"
+        f"{' (quick)' if a.quick else ''}; {meta['nproc']} CPUs, Python {meta['python']}, "
+        f"SQLite {meta['sqlite']}; databases in {tmp}"
+    )
+    try:
+        with Progress(
+            SpinnerColumn(),
+            TextColumn("[progress.description]{task.description:<52}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
+            total = progress.add_task("all phases", total=n_w2 + n_w3)
+            if "w2" in plan.workloads:
+                results["w2"] = run_w2(plan, runner, progress, total)
+            if "w3" in plan.workloads:
+                results["w3"] = run_w3(plan, runner, progress, total)
+    finally:
+        if not a.keep_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _estimate_skips(plan, results.get("w3"))
+    results["meta"]["duration_s"] = time.perf_counter() - t0
+    results["meta"]["loadavg_end"] = list(os.getloadavg())
+    after = source_digest()
+    if after != meta["checkpoint_src_sha256"]:
+        results["meta"]["working_tree_sha256_after"] = after
+        console.print(
+            "[yellow]checkpoint/ changed in the working tree while the benchmark ran; the "
+            f"figures are for the copy taken at the start (sha256 {meta['checkpoint_src_sha256']})"
+        )
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = a.out.with_name(a.out.name + ".tmp")
+    tmp_out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    tmp_out.replace(a.out)
+    report.render(results, a.docs)
+    console.print(report.console_summary(results))
+    console.print(
+        f"wrote {_show(a.out)} and {_show(a.docs / 'performance.md')} "
+        f"in {results['meta']['duration_s'] / 60:.1f} min"
+    )
+    return 0

@@ -1,0 +1,108 @@
+"""The systems under test, behind one small interface.
+
+Each system is a real implementation (onceonly, stdlib sqlite3 floors, LangGraph with its
+SqliteSaver); phases import only the system they run, so a onceonly process never imports
+LangGraph.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class WriteResult:
+    """Per-step timings of a W2 write phase (seconds), plus anything system-specific.
+
+    ``write_s[i]`` is the checkpoint write of step i+1 (for LangGraph: the saver's
+    ``put`` + ``put_writes`` calls made during that step); ``step_s[i]`` the step's wall
+    time (computing the change, applying it, checkpointing it).
+    """
+
+    write_s: list[float]
+    step_s: list[float]
+    total_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadResult:
+    """A fresh-process open + load (W2) or open + load + reach the next step (W3).
+
+    ``state`` is verified against the expected state after the timing, before ``close``.
+    """
+
+    seconds: float
+    state: Any
+    breakdown: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: Closes the store; called after the state is verified (a store may load lazily).
+    close: Callable[[], None] | None = None
+
+
+#: Called by a build at each measuring point, with the database quiescent.
+AtPoint = Callable[[int], None]
+
+
+class System(ABC):
+    """One system: how it writes W2, builds W3 histories, loads and resumes."""
+
+    name: str = ""
+    label: str = ""
+
+    @abstractmethod
+    def write_w2(self, db: Path, steps: int) -> WriteResult:
+        """Write ``steps`` steps with sync durability, one checkpoint per step, timed."""
+
+    @abstractmethod
+    def load_w2(self, db: Path, steps: int) -> LoadResult:
+        """Open the database and load the latest state (timed)."""
+
+    @abstractmethod
+    def build(self, db: Path, points: Sequence[int], at_point: AtPoint) -> dict[str, Any]:
+        """Write a history by the fastest path that stores the same rows, stopping at
+        each of ``points`` (ascending) with the database quiescent to call ``at_point``."""
+
+    @abstractmethod
+    def resume(self, db: Path, steps: int) -> LoadResult:
+        """Open, load the latest checkpoint and reach the start of the next step (timed)."""
+
+
+_REGISTRY: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "onceonly": ("bench.systems.onceonly", "OnceOnly", {"mode": "update"}),
+    "onceonly-save": ("bench.systems.onceonly", "OnceOnly", {"mode": "save"}),
+    "onceonly-lazy": ("bench.systems.onceonly", "OnceOnly", {"mode": "update", "lazy": True}),
+    "floor-full": ("bench.systems.floors", "PickleFull", {}),
+    "floor-delta": ("bench.systems.floors", "PickleDelta", {}),
+    "floor-latest": ("bench.systems.floors", "PickleLatest", {}),
+    "langgraph": ("bench.systems.langgraph", "LangGraph", {"delta": False}),
+    "langgraph-delta": ("bench.systems.langgraph", "LangGraph", {"delta": True}),
+}
+
+LABELS: dict[str, str] = {
+    "onceonly": "onceonly `update()` (merge/append/set)",
+    "onceonly-save": "onceonly `save()` (full state, diffed)",
+    "onceonly-lazy": "onceonly `update()`, resumed with `load(lazy=True)`",
+    "floor-full": "floor: pickle full state per step",
+    "floor-delta": "floor: pickle base + per-step delta rows",
+    "floor-latest": "floor: pickle latest state only (one row, no history)",
+    "langgraph": "LangGraph StateGraph + SqliteSaver",
+    "langgraph-delta": "LangGraph StateGraph + SqliteSaver, DeltaChannel",
+}
+
+
+def names() -> list[str]:
+    """Every known system name."""
+    return list(_REGISTRY)
+
+
+def get(name: str) -> System:
+    """Instantiate system ``name`` (importing only its module)."""
+    module, cls, kwargs = _REGISTRY[name]
+    system: System = getattr(importlib.import_module(module), cls)(**kwargs)
+    return system
