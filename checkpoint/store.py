@@ -949,7 +949,7 @@ class Store:
             target = rows[-1].seq
             if seq is not None and target != seq:
                 raise CheckpointNotFound(run_id, seq)
-            bodies = self._verify_rows(run_id, rows)
+            bodies, raw_sizes = self._verify_rows(run_id, rows)
             wanted: set[bytes] = set()
             for body in bodies:
                 wanted |= _delta.blob_refs_of(body, chunks=not lazy)
@@ -966,14 +966,13 @@ class Store:
         try:
             fetch = self._chunk_fetcher(run_id) if lazy else None
             state = _delta.materialise_keyframe(bodies[0], blob_values, lists, fetch)
-            delta_bytes = 0
+            delta_bytes = sum(raw_sizes[1:])
             for row, body in zip(rows[1:], bodies[1:], strict=True):
                 ops = _delta.resolve_delta(body, blob_values)
                 _delta.apply(state, ops, where=f"checkpoint {row.seq}")
                 for ch, op in ops.items():
                     if op[0] != "a":
                         lists.pop(ch, None)
-                delta_bytes += len(row.body)
         except CorruptRecord as exc:
             raise CorruptRecord(exc.detail, run_id=run_id, seq=target) from exc
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -991,7 +990,9 @@ class Store:
             keyframe=last.kind == _KEYFRAME,
             keyframe_seq=int(last.keyframe_seq),
         )
-        kf_bytes = len(first.body) + sum(blob_sizes.values())
+        # Canonical (uncompressed) sizes, as the writer counts them: the keyframe policy
+        # behaves the same whether or not the process was restarted.
+        kf_bytes = raw_sizes[0] + sum(blob_sizes.values())
         head = _Head(
             seq=info.seq,
             keyframe_seq=info.keyframe_seq,
@@ -1004,7 +1005,7 @@ class Store:
         )
         return Snapshot(_delta.private_copy(state), info), head
 
-    def _verify_rows(self, run_id: str, rows: Sequence[_Row]) -> list[Any]:
+    def _verify_rows(self, run_id: str, rows: Sequence[_Row]) -> tuple[list[Any], list[int]]:
         """Check every row against its digest, then decode all bodies in one pass."""
         raws = []
         for row in rows:
@@ -1034,7 +1035,7 @@ class Store:
         for row, body in zip(rows, bodies, strict=True):
             if not isinstance(body, dict) or not (("k" in body) ^ ("d" in body)):
                 raise CorruptRecord("checkpoint body has no state", run_id=run_id, seq=row.seq)
-        return list(bodies)
+        return list(bodies), [len(raw) for raw in raws]
 
     def _chunk_fetcher(self, run_id: str) -> _delta.ChunkFetcher:
         def fetch(hexes: Sequence[str]) -> dict[str, list[Any]]:
@@ -1063,8 +1064,7 @@ class Store:
             cur.execute(self._sql.blobs_in(len(part)), part)
             for h, data in cur.fetchall():
                 key = bytes(h)
-                values[key] = self._verify_blob(run_id, seq, key, bytes(data))
-                sizes[key] = len(data)
+                values[key], sizes[key] = self._verify_blob(run_id, seq, key, bytes(data))
         missing = wanted - values.keys()
         if missing:
             raise CorruptRecord(
@@ -1075,7 +1075,10 @@ class Store:
             )
         return values, sizes
 
-    def _verify_blob(self, run_id: str, seq: int | None, h: bytes, stored: bytes) -> Any:
+    def _verify_blob(
+        self, run_id: str, seq: int | None, h: bytes, stored: bytes
+    ) -> tuple[Any, int]:
+        """The decoded value of a verified blob and its canonical (uncompressed) size."""
         try:
             raw = _delta.unpack(stored)
         except CorruptRecord as exc:
@@ -1085,7 +1088,7 @@ class Store:
                 "blob content does not match its hash", run_id=run_id, seq=seq, blob=h.hex()
             )
         try:
-            return self.codec.decode(raw)
+            return self.codec.decode(raw), len(raw)
         except CorruptRecord as exc:
             raise type(exc)(exc.detail, run_id=run_id, seq=seq, blob=h.hex()) from exc
 
