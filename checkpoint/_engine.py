@@ -172,8 +172,9 @@ def is_integrity_error(exc: BaseException) -> bool:
 
 def classify(exc: BaseException, action: str) -> StoreError:
     """Map a driver error to the onceonly error that says what to do."""
-    orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
-    text = str(orig).lower()
+    raw = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
+    orig = " ".join(str(raw).split())  # drivers' messages span lines; ours are one line
+    text = orig.lower()
     if "database is locked" in text or "database table is locked" in text:
         return DatabaseLocked(
             f"could not {action}: the SQLite database stayed locked by another writer "
@@ -184,7 +185,7 @@ def classify(exc: BaseException, action: str) -> StoreError:
     if (
         invalidated
         or isinstance(exc, sa_exc.InterfaceError)
-        or type(orig).__name__ == "InterfaceError"
+        or type(raw).__name__ == "InterfaceError"
         or any(
             s in text
             for s in (

@@ -5,6 +5,7 @@ value that JSON cannot carry exactly is a one-key object whose key starts with `
 
     bytes       {"\\x00b": "<base64>"}           tuple      {"\\x00t": [...]}
     datetime    {"\\x00dt": "<isoformat>"}       date       {"\\x00d": "<isoformat>"}
+    datetime with a sub-minute UTC offset: {"\\x00dto": ["<naive isoformat>", offset µs]}
     Decimal     {"\\x00n": "<str>"}              UUID       {"\\x00u": "<hex>"}
     set         {"\\x00S": [...sorted]}          frozenset  {"\\x00F": [...sorted]}
     nan / inf   {"\\x00f": "nan" | "inf" | "-inf"}
@@ -144,6 +145,11 @@ class Codec:
         if t is bytes:
             return {"\x00b": base64.b64encode(v).decode("ascii")}
         if t is _dt.datetime:
+            off = v.utcoffset()
+            if off is not None and off % _dt.timedelta(minutes=1):
+                # fromisoformat drops sub-minute offsets: keep them exactly.
+                naive = v.replace(tzinfo=None).isoformat()
+                return {"\x00dto": [naive, off // _dt.timedelta(microseconds=1)]}
             return {"\x00dt": v.isoformat()}
         if t is _dt.date:
             return {"\x00d": v.isoformat()}
@@ -253,6 +259,9 @@ _DECODERS: dict[str, Callable[[Any], Any]] = {
     "\x00b": lambda x: base64.b64decode(x, validate=True),
     "\x00dt": _dt.datetime.fromisoformat,
     "\x00d": _dt.date.fromisoformat,
+    "\x00dto": lambda x: _dt.datetime.fromisoformat(x[0]).replace(
+        tzinfo=_dt.timezone(_dt.timedelta(microseconds=int(x[1])))
+    ),
     "\x00n": Decimal,
     "\x00u": lambda x: uuid.UUID(hex=x),
     "\x00S": set,

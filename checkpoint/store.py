@@ -21,6 +21,7 @@ from . import _delta, _schema
 from ._engine import (
     DRIVER_ERRORS,
     READ_ONLY,
+    classify,
     configure,
     is_integrity_error,
     make_engine,
@@ -377,8 +378,8 @@ class Store:
         if is_async:
             self._queue.put(barrier)
             barrier.done.wait()
-            if barrier.error is None and self._async_error is not None:
-                self._check_open()
+            # Our work committed (or failed on its own): an unrelated background failure
+            # surfaces on the next call, never as this call's error.
         else:
             with self._lock:
                 pending: list[_Pending] = []
@@ -796,7 +797,13 @@ class Store:
                 try:
                     part.result = part.fn(cur)
                 except Exception as exc:  # noqa: BLE001  (handed to that participant)
-                    part.error = exc
+                    # Driver errors reach the participant translated, as they would
+                    # outside a savepoint.
+                    part.error = (
+                        classify(exc, "run a transaction")
+                        if isinstance(exc, DRIVER_ERRORS)
+                        else exc
+                    )
                     cur.execute(f"ROLLBACK TO SAVEPOINT oo_p{i}")
                 cur.execute(f"RELEASE SAVEPOINT oo_p{i}")
 

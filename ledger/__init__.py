@@ -16,6 +16,7 @@ from .errors import (
     LedgerError,
     LedgerUnavailable,
     PayloadErased,
+    SubjectErased,
     UnknownEffect,
 )
 from .keys import EffectIdentity, KeyRecipe, Keyring, Secret
@@ -57,6 +58,7 @@ __all__ = [
     "Replay",
     "RetentionPolicy",
     "Secret",
+    "SubjectErased",
     "UnknownEffect",
     "migrate",
 ]

@@ -7,6 +7,7 @@ on its own.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -216,6 +217,8 @@ class QueryMixin:
                         )
                         + "\n"
                     )
+                fh.flush()
+                os.fsync(fh.fileno())  # the archive is durable before any entry is deleted
         for row in victims:
 
             def txn(cur: Any, row: Row = row) -> None:

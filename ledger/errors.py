@@ -9,6 +9,7 @@
         ├── EffectInDoubt        the effect may or may not have happened: reconcile it
         ├── EffectFailed         the effect failed definitely (recorded; replayed as such)
         ├── PayloadErased        the effect's data key was erased; its payload is gone
+        ├── SubjectErased        a new effect for an erased data subject is refused
         ├── LedgerUnavailable    the ledger cannot be written: nothing is acted on
         ├── UnknownEffect        no entry with this key id
         └── InvalidTransition    the entry is not in a state that allows this change
@@ -32,6 +33,7 @@ __all__ = [
     "LedgerError",
     "LedgerUnavailable",
     "PayloadErased",
+    "SubjectErased",
     "UnknownEffect",
 ]
 
@@ -158,6 +160,18 @@ class PayloadErased(LedgerError):
         super().__init__(
             f"effect {key_id[:16]}… happened, but its recorded payload was erased with data "
             f"subject {subject!r}; it is not performed again and its result cannot be replayed"
+        )
+
+
+class SubjectErased(LedgerError):
+    """The data subject was erased: new effects that would store its data are refused."""
+
+    def __init__(self, subject: str) -> None:
+        self.subject = subject
+        super().__init__(
+            f"data subject {subject!r} was erased; a new effect storing its data was refused "
+            f"and nothing was sent. Use another subject (Ledger.claim(subject=...)) if the "
+            f"effect must happen."
         )
 
 

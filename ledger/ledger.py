@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from checkpoint import Codec, Store, ensure_schema
-from checkpoint.errors import ConfigurationError, CorruptRecord, OnceOnlyError, StoreError
+from checkpoint.errors import CodecError, ConfigurationError, CorruptRecord, StoreError
 
 from . import _schema
 from ._queries import QueryMixin
@@ -39,8 +39,10 @@ from .errors import (
     InvalidTransition,
     KeyReuseError,
     LeaseLost,
+    LedgerError,
     LedgerUnavailable,
     PayloadErased,
+    SubjectErased,
     UnknownEffect,
 )
 from .keys import EffectIdentity, Keyring, canonical_args
@@ -148,15 +150,21 @@ class Ledger(QueryMixin):
         self._check()
         try:
             return self.store.transact(fn)
-        except OnceOnlyError as exc:
-            if isinstance(exc, StoreError | LedgerUnavailable):
-                if outcome:
-                    self._poisoned = exc
+        except LedgerError:
+            raise  # the state machine's own answers (LeaseLost, InvalidTransition, ...)
+        except Exception as exc:
+            # Anything else (a store or driver error, a background write failure, a bug)
+            # means the transition is not known to be recorded: fail closed.
+            if outcome:
+                self._poisoned = exc
                 raise LedgerUnavailable(
-                    f"the ledger could not be written ({exc}); nothing was acted on for this "
-                    f"call" + ("; this ledger now refuses further work" if outcome else "")
+                    f"the ledger could not record this effect's outcome ({exc}); the effect "
+                    f"was performed and will be reconciled as in doubt. This ledger now "
+                    f"refuses further work: stop the worker and start a new one."
                 ) from exc
-            raise
+            raise LedgerUnavailable(
+                f"the ledger could not be written ({exc}); nothing was acted on for this call"
+            ) from exc
 
     # -- identity -----------------------------------------------------------------------
     def key_ids(self, identity: EffectIdentity) -> list[tuple[str, str]]:
@@ -496,7 +504,13 @@ class Ledger(QueryMixin):
         return _record(self._commit_row(claim, result))
 
     def _commit_row(self, claim: Claim, result: Any) -> Row:
-        sealed = self._seal_outcome(claim.subject, claim.key_id, "result", result)
+        try:
+            encoded = self.codec.encode(result)
+        except CodecError as exc:
+            # The effect happened but its result cannot be recorded: in doubt, not lost.
+            self.mark_unknown(claim, "result could not be encoded", error=exc)
+            raise
+        sealed = self._seal_outcome(claim.subject, claim.key_id, "result", encoded=encoded)
         row = self._finish(
             claim,
             "committed",
@@ -597,7 +611,14 @@ class Ledger(QueryMixin):
         return self._seal_outcome(claim.subject, claim.key_id, "error", info)
 
     def _seal_outcome(
-        self, subject: str, key_id: str, field: str, value: Any, cur: Any = None
+        self,
+        subject: str,
+        key_id: str,
+        field: str,
+        value: Any = None,
+        cur: Any = None,
+        *,
+        encoded: bytes | None = None,
     ) -> bytes:
         """Seal an outcome payload. An erased subject yields the empty marker: the outcome
         is still recorded (and deduplicates), its payload is gone. A data key that cannot
@@ -607,7 +628,7 @@ class Ledger(QueryMixin):
                 cipher = self._cipher_in_txn(cur, subject)[1]
             else:
                 cipher = self._cipher(subject)
-        except PayloadErased:
+        except (PayloadErased, SubjectErased):
             return ERASED
         except StoreError as exc:
             self._poisoned = exc
@@ -615,7 +636,8 @@ class Ledger(QueryMixin):
                 f"the ledger could not read the data key to record an outcome ({exc}); this "
                 f"ledger now refuses further work"
             ) from exc
-        return Sealer.seal(cipher, self.codec.encode(value), f"{key_id}|{field}".encode())
+        plain = self.codec.encode(value) if encoded is None else encoded
+        return Sealer.seal(cipher, plain, f"{key_id}|{field}".encode())
 
     def renew(self, claim: Claim) -> Claim:
         """Extend a live claim's lease (for long calls).
@@ -747,9 +769,12 @@ class Ledger(QueryMixin):
             if window_open:
                 return self._must(self._reclaim(cur, row, "resend", resend=True), key_id), True
             changes = {**base, "status": EffectStatus.NEEDS_HUMAN.value}
-            why = detail or (
-                "dedup window closed" if ev is Evidence.WINDOW_OPEN else "no evidence either way"
-            )
+            if ev is not Evidence.WINDOW_OPEN:
+                why = detail or "no evidence either way"
+            elif row["provider_class"] != ProviderClass.DEDUPLICATING.value:
+                why = detail or "window evidence, but the provider does not deduplicate"
+            else:
+                why = detail or "dedup window closed"
             return self._must(
                 self._transition(
                     cur, row, "needs_human", changes, expect=status, actor=actor, detail=why
@@ -963,7 +988,7 @@ class Ledger(QueryMixin):
         found = cur.fetchone()
         if found is not None:
             if found[1] is None:
-                raise PayloadErased("-", subject)
+                raise SubjectErased(subject)
             return subject, self._sealer.unwrap(subject, str(found[0]), bytes(found[1]))
         sid, wrapped, cipher = self._sealer.new_wrapped_key(subject)
         cur.execute(
@@ -977,7 +1002,7 @@ class Ledger(QueryMixin):
             )
             again = cur.fetchone()
             if again is None or again[1] is None:
-                raise PayloadErased("-", subject)
+                raise SubjectErased(subject)
             return subject, self._sealer.unwrap(subject, str(again[0]), bytes(again[1]))
         return subject, cipher
 

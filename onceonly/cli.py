@@ -107,11 +107,12 @@ def effects_list(
         click.echo(json.dumps([_record_json(r) for r in rows]))
         return
     table = Table(title="effects")
-    for col in ("key id", "effect", "run", "status", "class", "epoch", "attempts"):
+    table.add_column("key id", no_wrap=True, overflow="fold")
+    for col in ("effect", "run", "status", "class", "epoch", "attempts"):
         table.add_column(col)
     for r in rows:
         table.add_row(
-            r.key_id[:16] + "…",
+            r.key_id,
             r.effect,
             r.run_id or "-",
             r.status.value,
@@ -192,7 +193,7 @@ def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(report.to_json())
     else:
-        con = Console()
+        con = Console(soft_wrap=True)
         con.print(
             f"chains {report.chains}, events {report.events}, effects {report.effects}, "
             f"blobs and checkpoints {report.blobs}"
@@ -306,5 +307,6 @@ def main() -> None:
     try:
         cli(standalone_mode=True)
     except OnceOnlyError as exc:
-        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        # soft_wrap: one line, whatever the terminal width (scripts grep these).
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {exc}", markup=True)
         sys.exit(1)
