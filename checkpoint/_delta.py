@@ -73,12 +73,31 @@ def unpack(stored: bytes) -> bytes:
 
 
 def row_digest(
-    run_id: str, seq: int, kind: int, keyframe_seq: int, schema_version: int, raw: bytes
+    run_id: str,
+    seq: int,
+    kind: int,
+    keyframe_seq: int,
+    schema_version: int,
+    step: str,
+    source: str,
+    created_at: float,
+    raw: bytes,
 ) -> bytes:
-    """Digest binding a checkpoint body to its row: editing either is detected."""
-    rid = run_id.encode("utf-8")
-    head = b"%d:%s|%d|%d|%d|%d|" % (len(rid), rid, seq, kind, keyframe_seq, schema_version)
-    return blake3.blake3(head + raw).digest(length=16)
+    """Digest binding a checkpoint body to every column of its row: editing, moving or
+    truncating either is detected."""
+    meta = "\x1f".join(
+        [
+            run_id,
+            str(seq),
+            str(kind),
+            str(keyframe_seq),
+            str(schema_version),
+            step,
+            source,
+            repr(float(created_at)),
+        ]
+    ).encode("utf-8")
+    return blake3.blake3(b"%d:%s|" % (len(meta), meta) + raw).digest(length=16)
 
 
 # -- lazily loaded list channels ------------------------------------------------------

@@ -705,6 +705,7 @@ class Store:
         except BaseException:
             self._heads.pop(run_id, None)  # the cached state may hold part of the change
             raise
+        created = time.time()
         pending = _Pending(
             run_id=run_id,
             seq=seq,
@@ -713,9 +714,11 @@ class Store:
             step=step,
             source=src,
             schema_version=version,
-            created_at=time.time(),
+            created_at=created,
             body=_delta.pack(enc.raw),
-            digest=_delta.row_digest(run_id, seq, kind, kf_seq, version, enc.raw),
+            digest=_delta.row_digest(
+                run_id, seq, kind, kf_seq, version, step, src, created, enc.raw
+            ),
             blobs={h: _delta.pack(raw) for h, raw in enc.blobs.items()},
             refs=enc.refs,
             run_values=run_values,
@@ -1021,7 +1024,15 @@ class Store:
             except CorruptRecord as exc:
                 raise CorruptRecord(exc.detail, run_id=run_id, seq=row.seq) from exc
             digest = _delta.row_digest(
-                run_id, row.seq, row.kind, row.keyframe_seq, row.schema_version, raw
+                run_id,
+                row.seq,
+                row.kind,
+                row.keyframe_seq,
+                row.schema_version,
+                row.step,
+                row.source,
+                row.created_at,
+                raw,
             )
             if digest != bytes(row.digest):
                 raise CorruptRecord(
@@ -1164,17 +1175,18 @@ class Store:
                 if _delta.blob_hash(raw) != bytes(h):
                     problems.append(f"blob {bytes(h).hex()}: content does not match its hash")
             cur.execute(
-                "SELECT run_id, seq, kind, keyframe_seq, schema_version, body, digest "
-                "FROM oo_checkpoints"
+                "SELECT run_id, seq, kind, keyframe_seq, schema_version, step, source, "
+                "created_at, body, digest FROM oo_checkpoints"
             )
-            for run_id, seq, kind, kf, ver, body, digest in cur.fetchall():
+            for run_id, seq, kind, kf, ver, step, src, at, body, digest in cur.fetchall():
                 checked += 1
                 try:
                     raw = _delta.unpack(bytes(body))
                 except CorruptRecord as exc:
                     problems.append(f"run {run_id!r} checkpoint {seq}: {exc.detail}")
                     continue
-                if _delta.row_digest(run_id, seq, kind, kf, ver, raw) != bytes(digest):
+                calc = _delta.row_digest(run_id, seq, kind, kf, ver, step, src, at, raw)
+                if calc != bytes(digest):
                     problems.append(f"run {run_id!r} checkpoint {seq}: row fails its digest")
 
         self.read(scan)

@@ -221,6 +221,28 @@ def test_a_changed_digest_is_refused(store: Store, open_store: Callable[..., Sto
     _assert_loads([store], rid, [0])
 
 
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [("step", "a-step-never-run"), ("source", "operator"), ("created_at", 0.0)],
+)
+def test_edited_checkpoint_metadata_is_refused(
+    store: Store, open_store: Callable[..., Store], column: str, value: object
+) -> None:
+    rid = _write_run(store)
+    n = execute(
+        store.engine,
+        f"UPDATE oo_checkpoints SET {column} = :v WHERE run_id = :r AND seq = 1",
+        v=value,
+        r=rid,
+    )
+    assert n == 1
+    _assert_refused([store, open_store()], rid, [None, 1, 2], named_seqs={1})
+    _assert_loads([store], rid, [0])
+    checked, problems = open_store().verify_integrity()
+    assert checked > 0
+    assert any("checkpoint 1" in p and "digest" in p for p in problems), problems
+
+
 def test_swapped_checkpoint_seqs_are_refused(
     store: Store, open_store: Callable[..., Store]
 ) -> None:
