@@ -95,6 +95,7 @@ class _Pending:
     blobs: dict[bytes, bytes]  # hash -> stored form
     refs: set[bytes]
     run_values: dict[str, Any]
+    gen: int = 0  # async mode: the error generation it was queued in
 
     def info(self) -> CheckpointInfo:
         return CheckpointInfo(
@@ -186,6 +187,8 @@ class Store:
         self._writer: threading.Thread | None = None
         self._closed = False
         self._heads_stale = False
+        self._gen = 0
+        self._dead_gen = -1
         self._local = threading.local()
         self._pinned: list[Any] = []
         self._pin_lock = threading.Lock()
@@ -269,6 +272,7 @@ class Store:
         err = self._async_error
         if err is not None:
             self._async_error = None
+            self._gen = self._dead_gen + 1  # saves from now on build on a reloaded head
             raise AsyncWriteError(
                 f"a background checkpoint write failed: {err}; the checkpoints queued after "
                 f"it were not written. Reload the run with Store.load to continue from what "
@@ -722,6 +726,7 @@ class Store:
             blobs={h: _delta.pack(raw) for h, raw in enc.blobs.items()},
             refs=enc.refs,
             run_values=run_values,
+            gen=self._gen,
         )
         new_head.seq = seq
         new_head.schema_version = version
@@ -833,19 +838,21 @@ class Store:
                 except queue.Empty:
                     break
             work = [b for b in barriers if b.fn is not None]
-            if (batch or work) and self._async_error is None:
+            # Checkpoints queued in a generation whose write failed are deltas on top of
+            # lost ones: drop them, even after the caller has been told of the failure.
+            live = [p for p in batch if p.gen > self._dead_gen]
+            if len(live) < len(batch):
+                self._heads_stale = True
+            if live or work:
                 try:
-                    self._write_batch(batch, work)
+                    self._write_batch(live, work)
                 except BaseException as exc:  # noqa: BLE001  (surfaced on the next call)
                     for b in work:
                         b.error = exc
-                    if batch:
+                    if live:
+                        self._dead_gen = max(p.gen for p in live)
                         self._async_error = exc
                         self._heads_stale = True
-            elif batch or work:
-                for b in work:
-                    b.error = AsyncWriteError("an earlier background write failed")
-                self._heads_stale = True
             for b in barriers:
                 b.done.set()
             if stop:

@@ -1,10 +1,10 @@
 """A racing worker process for ``test_ledger_race``: claims the same keys as its rivals.
 
 Run as ``python -m tests.ledger_race_worker URL N_KEYS INDEX GO_FILE [ROTATING]``. It opens
-its own store and ledger, prints ``ready``, waits until ``GO_FILE`` exists, then walks keys
-``0..N_KEYS-1`` (forwards for even indexes, backwards for odd ones) and tries to claim
-each; a claim it wins is committed with its index as the result. Finally it prints one
-JSON line: ``{"won": [...], "replayed": n, "in_flight": n, "wall_s": s}``.
+its own store and ledger, prints ``ready``, waits until ``GO_FILE`` exists, then walks all
+keys ``0..N_KEYS-1`` from an offset of its own (forwards for even indexes, backwards for
+odd ones) and tries to claim each; a claim it wins is committed with its index as the
+result. Finally it prints one JSON line: ``{"won": [...], "replayed": n, "in_flight": n, "wall_s": s}``.
 
 Workers derive keys with K1. With ``ROTATING`` = ``1`` they are in the middle of a rolling
 secret rotation: all know K1 and K2, workers 1 and 2 (mod 4) already derive new keys with
@@ -50,7 +50,12 @@ def main(argv: list[str]) -> int:
             return 3
         time.sleep(0.002)
     started = time.monotonic()
-    order = range(n_keys) if index % 2 == 0 else range(n_keys - 1, -1, -1)
+    # Each worker starts at its own offset (so a worker the scheduler favours cannot take
+    # every key before its rivals wake up) and walks the whole range, alternating
+    # directions, so every key is still contended by several workers.
+    start = index * n_keys // 4
+    steps = range(n_keys) if index % 2 == 0 else range(0, -n_keys, -1)
+    order = [(start + k) % n_keys for k in steps]
     won: list[int] = []
     replayed = in_flight = 0
     for i in order:

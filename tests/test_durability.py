@@ -292,15 +292,17 @@ def test_sigkill_in_async_mode_leaves_a_loadable_prefix(db_url: str) -> None:
     rng = random.Random(20261130)
     run_id = "crash-run"
     durable = -1
-    for _ in range(4):
+    for _ in range(3):
         proc = _worker(db_url, run_id, "async", 1_000_000, 25)
         assert proc.stdout is not None
         try:
             ready = proc.stdout.readline().split()
             assert ready[:1] == ["ready"]
             assert ready[2] == "ok"  # it resumed from the model's state
-            assert int(ready[1]) == durable + 1
-            time.sleep(rng.uniform(0.3, 0.9))
+            # resumes after what was found durable (on PostgreSQL a COMMIT the killed
+            # worker had already sent may still land after that check, never before)
+            assert int(ready[1]) >= durable + 1
+            time.sleep(rng.uniform(0.2, 0.8))
             proc.send_signal(signal.SIGKILL)
             out = proc.communicate(timeout=60)[0]
         finally:
