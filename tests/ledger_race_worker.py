@@ -4,7 +4,8 @@ Run as ``python -m tests.ledger_race_worker URL N_KEYS INDEX GO_FILE [ROTATING]`
 its own store and ledger, prints ``ready``, waits until ``GO_FILE`` exists, then walks all
 keys ``0..N_KEYS-1`` from an offset of its own (forwards for even indexes, backwards for
 odd ones) and tries to claim each; a claim it wins is committed with its index as the
-result. Finally it prints one JSON line: ``{"won": [...], "replayed": n, "in_flight": n, "wall_s": s}``.
+result. Finally it prints one JSON line:
+``{"won": [...], "replayed": n, "in_flight": n, "wall_s": s}``.
 
 Workers derive keys with K1. With ``ROTATING`` = ``1`` they are in the middle of a rolling
 secret rotation: all know K1 and K2, workers 1 and 2 (mod 4) already derive new keys with
