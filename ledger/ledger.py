@@ -98,7 +98,9 @@ class Ledger(QueryMixin):
     Args:
         store: The checkpoint store (its database holds the ledger too).
         keyring: Secrets for keys, fingerprints and data-key wrapping.
-        owner: This worker's name in leases (default host:pid:random).
+        owner: This worker's name in leases (default host:pid:random). Give each worker a
+            stable name (``"worker-3"``) and a restarted worker finds the claims its dead
+            predecessor left open in doubt at once, instead of waiting out their leases.
         lease_s: How long a claim stays live without renewal.
         in_flight: What to do when another worker holds a live claim.
         create: Create the ledger's tables in a database that has none.
@@ -134,6 +136,7 @@ class Ledger(QueryMixin):
         self._prefetched: set[str] = set()
         self._poisoned: BaseException | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._live: set[tuple[str, int]] = set()  # claims this object handed out, open
         ensure_schema(store.engine, "ledger", _schema.LEDGER_MIGRATIONS, create=create)
 
     # -- fail closed --------------------------------------------------------------------
@@ -337,8 +340,25 @@ class Ledger(QueryMixin):
         if status in _TERMINAL:
             return _Outcome("replay", row)
         if status == EffectStatus.CLAIMED.value:
-            if row["lease_expires_at"] is not None and row["lease_expires_at"] > now:
+            live = row["lease_expires_at"] is not None and row["lease_expires_at"] > now
+            # A live claim under this worker's own name that this process never handed
+            # out was made by an earlier incarnation that died: in doubt now, no need to
+            # wait out its lease.
+            orphan = (
+                row["lease_owner"] == self.owner
+                and (
+                    row["key_id"],
+                    int(row["epoch"]),
+                )
+                not in self._live
+            )
+            if live and not orphan:
                 return _Outcome("inflight", row)
+            why = (
+                "the claiming worker restarted before recording an outcome"
+                if live
+                else "claim lease expired before an outcome was recorded"
+            )
             moved = self._transition(
                 cur,
                 row,
@@ -350,7 +370,7 @@ class Ledger(QueryMixin):
                 },
                 expect=EffectStatus.CLAIMED.value,
                 actor=self.owner,
-                detail="claim lease expired before an outcome was recorded",
+                detail=why,
             )
             return _Outcome("doubt", moved or row)
         if status == EffectStatus.NOT_HAPPENED.value:
@@ -380,6 +400,7 @@ class Ledger(QueryMixin):
         )
 
     def _claim_of(self, row: Row, *, resend: bool = False) -> Claim:
+        self._live.add((row["key_id"], int(row["epoch"])))
         return Claim(
             key_id=row["key_id"],
             epoch=int(row["epoch"]),
@@ -686,7 +707,10 @@ class Ledger(QueryMixin):
                 raise LeaseLost(claim.key_id, claim.epoch, int(row["epoch"]), row["status"])
             return moved
 
-        return self._write(txn, outcome=True)
+        try:
+            return self._write(txn, outcome=True)
+        finally:
+            self._live.discard((claim.key_id, claim.epoch))
 
     def _lost(self, cur: Any, claim: Claim) -> LeaseLost:
         cur.execute(

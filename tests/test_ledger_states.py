@@ -738,3 +738,25 @@ def test_class_a_needs_a_window(ledger: Ledger) -> None:
                 ident(), {"a": 1}, provider_class=ProviderClass.DEDUPLICATING, window_s=window
             )
     assert ledger.effects() == []
+
+
+def test_a_restarted_worker_finds_its_dead_predecessors_claim_in_doubt_at_once(
+    store: Store, ledgers: Ledgers
+) -> None:
+    first = ledgers.on(store, owner="worker-7")
+    c = claimed(first.claim(ident(0), {"a": 1}))
+    # worker-7 dies here (between acting and recording); a new process starts as worker-7
+    again = ledgers.on(store, owner="worker-7")
+    with pytest.raises(EffectInDoubt) as info:
+        again.claim(ident(0), {"a": 1})
+    assert info.value.status == "unknown"
+    events = [e for e in again.audit_events("run-1") if e["key_id"] == c.key_id]
+    assert [e["event"] for e in events] == ["claimed", "lease_expired"]
+    assert "restarted" in events[-1]["detail"]
+    # another worker, by contrast, must still wait for the live lease
+    ident1 = ident(1)
+    other = ledgers.on(store, owner="worker-8")
+    c1 = claimed(ledgers.on(store, owner="worker-9").claim(ident1, {"b": 2}))
+    with pytest.raises(EffectInFlight):
+        other.claim(ident1, {"b": 2})
+    assert c1.epoch == 1
