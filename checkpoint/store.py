@@ -962,6 +962,16 @@ class Store:
                 found = cur.fetchone()
                 if found is None:
                     raise RunNotFound(run_id)
+                head_seq = found[0]
+                asked = head_seq if seq is None else seq
+                if head_seq is not None and 0 <= asked <= int(head_seq):
+                    # The run says this checkpoint exists: it (or its keyframe) was lost,
+                    # which must never read as "not saved yet" (a caller would restart).
+                    raise CorruptRecord(
+                        "the checkpoint, or the keyframe it depends on, is missing",
+                        run_id=run_id,
+                        seq=int(asked),
+                    )
                 raise CheckpointNotFound(run_id, seq)
             target = rows[-1].seq
             if seq is not None and target != seq:

@@ -8,6 +8,7 @@ set ``ONCEONLY_TEST_NO_PG=1`` to run the SQLite half alone, and the run says so.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ def pg_server_url() -> Iterator[str]:
         yield url
     finally:
         pgserver.stop(base)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _fresh_pg_database(server_url: str) -> tuple[str, Callable[[], None]]:

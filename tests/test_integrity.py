@@ -307,6 +307,18 @@ def test_a_deleted_middle_delta_is_refused(store: Store, open_store: Callable[..
     _assert_loads([store, open_store()], rid, [0, 1])
 
 
+def test_a_deleted_latest_checkpoint_is_refused(
+    store: Store, open_store: Callable[..., Store]
+) -> None:
+    """The run says checkpoint 3 is its head; without that row, loading must not look
+    like a run with no checkpoints (a caller would start it again from scratch)."""
+    rid = _write_run(store)
+    assert store.get_run(rid).head_seq == 3
+    execute(store.engine, "DELETE FROM oo_checkpoints WHERE run_id = :r AND seq = 3", r=rid)
+    _assert_refused([store, open_store()], rid, [None], named_seqs={3})
+    _assert_loads([store], rid, [0, 1, 2])
+
+
 def test_a_deleted_keyframe_is_refused(store: Store, open_store: Callable[..., Store]) -> None:
     rid = _write_run(store)
     execute(store.engine, "DELETE FROM oo_checkpoints WHERE run_id = :r AND seq = 0", r=rid)
