@@ -11,12 +11,15 @@ from typing import Any
 from rich.table import Table
 
 from . import summary
+from ._util import median
 from .summary import MB, Target
-from .systems import LABELS
+from .systems import LABELS, W1_LABELS
+from .w1 import QUANTILES
 
 TIMES = "\N{MULTIPLICATION SIGN}"
 IMG = "img"
 PLOTS = {
+    "w1_latency": "bench-w1-latency.png",
     "bytes": "bench-bytes-vs-steps.png",
     "w2_latency": "bench-w2-latency.png",
     "w3_resume": "bench-w3-resume.png",
@@ -30,6 +33,12 @@ COLORS = {
     "floor-latest": "#17becf",
     "langgraph": "#1f77b4",
     "langgraph-delta": "#9467bd",
+}
+W1_COLORS = {
+    "onceonly": "#d62728",
+    "floor": "#7f7f7f",
+    "langgraph": "#1f77b4",
+    "dbos": "#2ca02c",
 }
 
 
@@ -77,13 +86,29 @@ def label(name: str) -> str:
     return LABELS.get(name, name)
 
 
+def w1_label(name: str) -> str:
+    """The table label of a W1 system."""
+    return W1_LABELS.get(name, name)
+
+
 def mark(t: Target) -> str:
     """Met / missed."""
     return "**met**" if t.met else "**missed**"
 
 
 def _target_value(t: Target) -> str:
-    return f"{t.value:.2f} MB" if t.unit == "MB" else ratio(t.value)
+    if t.unit == "MB":
+        return f"{t.value:.2f} MB"
+    if t.unit == "calls":
+        return f"{t.value:.0f}/{t.limit:.0f}"
+    return ratio(t.value)
+
+
+def per_s(x: float) -> str:
+    """Effects per second."""
+    if x is None or math.isnan(x):
+        return "—"
+    return f"{x:,.0f}/s"
 
 
 def _loadavg(xs: Sequence[float] | None) -> str:
@@ -110,8 +135,44 @@ def plot(results: dict[str, Any], img: Path) -> dict[str, str]:
 
     img.mkdir(parents=True, exist_ok=True)
     made: dict[str, str] = {}
+    w1 = results.get("w1")
     w2 = results.get("w2")
     w3 = results.get("w3")
+
+    if w1:
+        qs = QUANTILES
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+        for ax, phase in ((axes[0], "cold"), (axes[1], "warm")):
+            for name in w1["systems"]:
+                curves = [
+                    r["call_ms_q"]
+                    for r in w1["runs"]
+                    if r["system"] == name
+                    and r["phase"] == phase
+                    and "error" not in r
+                    and r.get("call_ms_q")
+                ]
+                if not curves:
+                    continue
+                # the median over repetitions of each quantile of the per-call latency
+                xs = [median([c[k] for c in curves]) for k in range(len(qs))]
+                ax.step(
+                    xs,
+                    [q / 100 for q in qs],
+                    where="post",
+                    color=W1_COLORS.get(name),
+                    label=w1_label(name).replace("`", ""),
+                )
+            ax.set_xscale("log")
+            ax.set_xlabel("ms per guarded call (log scale)")
+            ax.set_title(f"W1 {phase}: per-call latency, {w1['calls']:,} calls")
+            ax.grid(visible=True, which="both", alpha=0.3)
+        axes[0].set_ylabel("fraction of calls ≤ x (median over repetitions)")
+        axes[1].legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        fig.savefig(img / PLOTS["w1_latency"], dpi=110)
+        plt.close(fig)
+        made["w1_latency"] = PLOTS["w1_latency"]
 
     if w3:
         fig, ax = plt.subplots(figsize=(7.5, 4.8))
@@ -222,6 +283,242 @@ def plot(results: dict[str, Any], img: Path) -> dict[str, str]:
 
 
 # -- markdown ------------------------------------------------------------------------
+
+
+def _probe_cell(r: dict[str, Any]) -> str:
+    rec = r["probe_recorded"]
+    if not rec:
+        return "—"
+    n = r["probe_calls"]
+    ok = all(x == n for x in rec) and all(x == n for x in r["probe_not_reexecuted"])
+    cell = ", ".join(f"{x}/{n}" for x in rec)
+    if r["probe_not_reexecuted"] != rec:
+        cell += " (resume re-used " + ", ".join(map(str, r["probe_not_reexecuted"])) + ")"
+    return cell if ok else f"**{cell}**"
+
+
+def _w1_section(
+    results: dict[str, Any], s1: dict[str, dict[str, Any]], plots: dict[str, str]
+) -> list[str]:
+    w1 = results["w1"]
+    calls = w1["calls"]
+    reps = results["meta"]["reps"]
+    n_probe = len(next(iter(s1.values()))["probe_recorded"]) if s1 else 0
+    lines = [
+        f"## W1 — guarded effects ({calls:,} sequential calls)",
+        "",
+        (
+            "Each call is a guarded function whose body increments a process-global counter "
+            "and returns a 200-byte result derived from the sha256 of its 200-byte JSON "
+            "argument. **Cold**: new process, new database, every call executes, intent "
+            "durable before the body and outcome durable after (sync durability). **Warm**: "
+            "new process, same database, same run resumed: every call must return its "
+            "recorded result (counter stays 0, results equal to the originals). "
+            f"{reps} repetitions, each phase in a fresh process, systems alternating; figures "
+            f"are medians over repetitions of each run's per-call median (or p99); "
+            f"**{TIMES}floor** is the ratio to the floor's cold (or warm) run in the same "
+            "repetition (median over repetitions)."
+        ),
+        "",
+    ]
+    rows = []
+    for name in w1["systems"]:
+        r = s1[name]
+        if not r["cold_reps"]:
+            rows.append([w1_label(name), "failed", *["—"] * 7])
+            continue
+        rows.append(
+            [
+                w1_label(name),
+                ms(r["cold_median_ms"]),
+                ratio(r["x_cold_median_ms"]),
+                ms(r["cold_p99_ms"]),
+                ratio(r["x_cold_p99_ms"]),
+                f"{r['cold_total_s']:.2f} s ({ratio(r['x_cold_total_s'])})",
+                f"{ms(r['cold_cpu_ms'])} ({ratio(r['x_cold_cpu_ms'])})",
+                f"{mbytes(r['cold_bytes'])} ({ratio(r['x_cold_bytes'])})",
+                "yes" if r["cold_verified"] else "**NO**",
+            ]
+        )
+    lines += ["### Cold: every call executes", ""]
+    lines += _table(
+        [
+            "system",
+            "per-call median",
+            f"{TIMES}floor",
+            "per-call p99",
+            f"{TIMES}floor",
+            f"total, {calls:,} calls",
+            f"CPU per call ({TIMES}floor)",
+            f"database after ({TIMES}floor)",
+            "verified",
+        ],
+        rows,
+    )
+    rows = []
+    for name in w1["systems"]:
+        r = s1[name]
+        if not r["warm_reps"]:
+            rows.append([w1_label(name), "failed", *["—"] * 6])
+            continue
+        rows.append(
+            [
+                w1_label(name),
+                ms(r["warm_median_ms"]),
+                ratio(r["x_warm_median_ms"]),
+                ms(r["warm_p99_ms"]),
+                ms(r["warm_first_ms"]),
+                f"{r['warm_total_s']:.3f} s ({ratio(r['x_warm_total_s'])})",
+                _probe_cell(r),
+                "yes" if r["warm_verified"] else "**NO**",
+            ]
+        )
+    lines += ["", "### Warm: every call replays; durable-before-return probe", ""]
+    lines += _table(
+        [
+            "system",
+            "per-call median",
+            f"{TIMES}floor",
+            "per-call p99",
+            "first call",
+            f"total, {calls:,} calls",
+            f"probe: outcomes recorded ({n_probe} run(s))",
+            "verified (0 executed, results equal)",
+        ],
+        rows,
+    )
+    lines += [
+        "",
+        (
+            "*Per-call latency* is the guarded call alone (the argument is built before the "
+            "clock starts); *CPU per call* is the phase process's CPU time (all threads) over "
+            "the system's whole phase, divided by the calls; *database after* is db + WAL "
+            "after `wal_checkpoint(TRUNCATE)` (DBOS: as left, its process still running). "
+            "onceonly: `Ledger.perform(EffectIdentity(...), arg, act)` on "
+            '`Store.open("sqlite:///…")` (claim transaction before `act`, outcome '
+            "transaction before returning; the warm run's first call also prefetches the run's "
+            "recorded outcomes in one range scan). Floor: stdlib `sqlite3`, WAL, "
+            "`synchronous=FULL`, `INSERT` intent + `COMMIT`, body, `UPDATE` outcome + `COMMIT`; "
+            "warm floor: one primary-key `SELECT` + `json.loads`. LangGraph: "
+            "`@entrypoint(checkpointer=SqliteSaver)` calling one `@task` per call, "
+            '`durability="sync"`, the entrypoint raises after call N (a crash) and the warm '
+            "run is `invoke(None, config)`. DBOS: `@DBOS.step` calls in a `@DBOS.workflow` "
+            "started with a fixed id, SQLite system database created beforehand in WAL mode; "
+            "the cold process ends with `os._exit` after call N (the workflow stays pending) "
+            "and the warm process's `DBOS.launch()` recovers it."
+        ),
+        "",
+        (
+            f"*Durable-before-return probe*: a child process makes {w1['probe_calls']} guarded "
+            "calls and `os._exit(0)`s right after the last one returns; a second process "
+            "counts the outcomes the database holds (onceonly: COMMITTED ledger entries; "
+            "floor: committed rows; LangGraph: the thread's `__return__` task writes; DBOS: "
+            "the workflow's `operation_outputs` rows for the step), then resumes the run and "
+            "counts the calls it executes again (shown in parentheses where that differs). "
+            "Every figure must be "
+            f"{w1['probe_calls']}/{w1['probe_calls']}: a call whose result the caller saw "
+            "but whose outcome was not recorded runs twice after a crash. `os._exit` ends the "
+            "process without flushing anything; it does not cut power, so the probe tests "
+            "whether the outcome was written before the call returned, not the fsync."
+        ),
+        "",
+    ]
+    arows = [n for n in w1.get("async_systems", []) if "async_per_s" in s1.get(n, {})]
+    if arows:
+        lines += [
+            f"### W1-async — {w1['concurrency']} concurrent guarded calls",
+            "",
+            (
+                f"{w1['concurrency']} asyncio workers call `Ledger.aperform` until "
+                f'{calls:,} calls are done, on a `durability="async"` store (concurrent '
+                "ledger transactions share group commits; each call still returns only after "
+                f"its outcome is durable). **{TIMES}sync** is the ratio to the same system's sync "
+                "(cold) throughput in the same repetition."
+            ),
+            "",
+        ]
+        rows = []
+        for name in arows:
+            r = s1[name]
+            rows.append(
+                [
+                    w1_label(name).replace(" (sync durability)", ""),
+                    per_s(r["sync_per_s"]),
+                    per_s(r["async_per_s"]),
+                    ratio(r["x_async"]),
+                    f"{ms(r['async_median_ms'])} / {ms(r['async_p99_ms'])}",
+                    "yes" if r["async_verified"] else "**NO**",
+                ]
+            )
+        lines += _table(
+            [
+                "system",
+                "sync effects/s (cold run)",
+                f"async effects/s ({w1['concurrency']} concurrent)",
+                f"{TIMES}sync",
+                "async per-call median / p99",
+                "verified",
+            ],
+            rows,
+        )
+        lines += [
+            "",
+            (
+                "BENCH.md defines W1-async for onceonly against its own sync path; the floor "
+                "and the peers have no async row."
+            ),
+            "",
+        ]
+    if "w1_latency" in plots:
+        lines += [f"![W1 per-call latency, CDF]({IMG}/{plots['w1_latency']})", ""]
+    lines += _profile_section(w1.get("profile") or {}, calls)
+    return lines
+
+
+def _profile_section(prof: dict[str, Any], calls: int) -> list[str]:
+    if not prof or "by_tottime" not in prof:
+        return []
+    total = prof["profiled_total_s"]
+    lines = [
+        "### Where onceonly's cold time goes (cProfile)",
+        "",
+        (
+            f"One extra cold run of {calls:,} calls under cProfile (not a timing: profiling "
+            f"slows Python code, not SQLite), {total:.2f} s for the calls. The functions with "
+            "the most time of their own:"
+        ),
+        "",
+    ]
+    rows = [
+        [
+            f"`{r['function']}`",
+            f"{r['calls']:,}",
+            f"{r['tottime_s']:.3f} s",
+            f"{100 * r['tottime_s'] / total:.0f} %",
+        ]
+        for r in prof["by_tottime"][:10]
+    ]
+    lines += _table(["function", "calls", "own time", "of the calls' time"], rows, "lrrr")
+    ours = [
+        r
+        for r in prof["by_cumtime"]
+        if ("ledger/" in r["function"] or "checkpoint/" in r["function"])
+        and "w1_" not in r["function"]
+    ][:12]
+    if ours:
+        lines += ["", "And inclusive time of onceonly's own functions:", ""]
+        rows = [
+            [
+                f"`{r['function']}`",
+                f"{r['calls']:,}",
+                f"{r['cumtime_s']:.3f} s",
+                f"{100 * r['cumtime_s'] / total:.0f} %",
+            ]
+            for r in ours
+        ]
+        lines += _table(["function", "calls", "inclusive time", "of the calls' time"], rows, "lrrr")
+    lines.append("")
+    return lines
 
 
 def _w2_section(
@@ -418,7 +715,15 @@ def _w3_section(
 
 def _targets_section(ts: Sequence[Target]) -> list[str]:
     rows = [
-        [t.workload, t.text, label(t.system), _target_value(t), _spread(t), mark(t)] for t in ts
+        [
+            t.workload,
+            t.text,
+            w1_label(t.system) if t.workload == "W1" else label(t.system),
+            _target_value(t),
+            _spread(t),
+            mark(t),
+        ]
+        for t in ts
     ]
     return [
         "## Targets (from BENCH.md)",
@@ -442,7 +747,107 @@ def _spread(t: Target) -> str:
     lo, hi = t.spread
     if math.isnan(lo):
         return "—"
+    if t.unit == "calls":
+        return f"{lo:.0f} to {hi:.0f}"
     return f"{ratio(lo)} to {ratio(hi)}"
+
+
+def _w1_observations(results: dict[str, Any], s1: dict[str, Any] | None) -> list[str]:
+    if not s1:
+        return []
+    obs: list[str] = []
+    w1 = results["w1"]
+    o = s1.get("onceonly")
+    prof = w1.get("profile") or {}
+    if o and prof.get("by_tottime"):
+        execs = [r for r in prof["by_tottime"] if "sqlite3.Cursor" in r["function"]]
+        if execs:
+            total = prof["profiled_total_s"]
+            per_call = execs[0]["calls"] / w1["calls"]
+            share = 100 * execs[0]["tottime_s"] / total
+            commits = [
+                r
+                for r in prof.get("by_cumtime", [])
+                if "checkpoint/store.py" in r["function"] and "(__exit__)" in r["function"]
+            ]
+            commit = (
+                f", {100 * commits[0]['cumtime_s'] / total:.0f} % in the two COMMITs alone "
+                "(the store's transaction exit, fsync included)"
+                if commits
+                else ""
+            )
+            obs.append(
+                f"W1 cold, onceonly under cProfile: {share:.0f} % of the calls' time is in "
+                f"`sqlite3.Cursor.execute`{commit}; {per_call:.1f} statements per call "
+                "against the floor's 6 (`BEGIN`, `INSERT`, `COMMIT`, `BEGIN`, `UPDATE`, "
+                "`COMMIT`); the rest is Python around them (the audit hash chain's JSON "
+                "encoding and hashing in `_append`, key and fingerprint derivation, sealing, "
+                "the store's transaction plumbing)."
+            )
+    if o and o.get("warm_reps"):
+        obs.append(
+            f"W1 warm, onceonly: the first call ({ms(o['warm_first_ms'])}) prefetches the "
+            "run's recorded outcomes in one range scan and loads the subject's data key; "
+            f"every later call (median {ms(o['warm_median_ms'])}) is a dictionary lookup, "
+            "the key and fingerprint derivations and opening the sealed result."
+        )
+    if o and o.get("cold_reps"):
+        obs.append(
+            f"W1 cold: onceonly's CPU time per call is {ms(o['cold_cpu_ms'])} against the "
+            f"floor's {ms(s1.get('floor', {}).get('cold_cpu_ms', math.nan))}; the rest of "
+            "each system's wall time is waiting, mostly for the fsyncs of its commits, whose "
+            "latency on this shared disk moves every cold figure from one repetition to the "
+            "next (the per-repetition ratios are in the targets table)."
+        )
+    if o and not math.isnan(o.get("x_cold_bytes", math.nan)):
+        obs.append(
+            f"W1 cold: onceonly's database after {w1['calls']:,} calls is "
+            f"{ratio(o['x_cold_bytes'])} the floor's ({mbytes(o['cold_bytes'])}): each entry "
+            "holds the sealed argument and result, key, fingerprint, provider key and lease "
+            "columns, and every call appends two hash-chained audit events (claimed, "
+            "committed); each commit has that many more WAL pages to write and fsync."
+        )
+    if o and "async_cpu_ms" in o and not math.isnan(o["async_cpu_ms"]):
+        busy = o["async_per_s"] * o["async_cpu_ms"] / 1e3
+        ceiling = 1e3 / o["async_cpu_ms"]
+        obs.append(
+            f"W1-async, onceonly: {ms(o['async_cpu_ms'])} of CPU time per call (all "
+            f"threads), so {per_s(o['async_per_s'])} keeps {busy:.2f} CPU-seconds per second "
+            "busy"
+            + (
+                ": the Python work per call (under one GIL), not the commits, bounds the "
+                "async throughput; group commit removes the fsync waits, not that work. At "
+                f"that CPU cost one interpreter tops out near {per_s(ceiling)}, "
+                f"{ratio(ceiling / o['sync_per_s'])} this run's sync throughput: 5{TIMES} "
+                "needs less CPU per call, not more concurrency."
+                if busy >= 0.8
+                else "."
+            )
+        )
+    lg = s1.get("langgraph")
+    if lg and lg["probe_recorded"] and min(lg["probe_recorded"]) < lg["probe_calls"]:
+        obs.append(
+            "W1 cold, LangGraph: the entrypoint does not wait for a task's write to commit "
+            "(next point), so its per-call latency leaves out the durable recording that the "
+            "floor, onceonly and DBOS pay before a call returns."
+        )
+        obs.append(
+            "W1 probe, LangGraph: a task's result is written by `checkpointer.put_writes` "
+            "submitted to a background executor (`PregelLoop.put_writes` → `self.submit`), "
+            'in `durability="sync"` as in `"async"` (`sync` governs the checkpoint at the '
+            "end of a step), and the entrypoint gets the task's result without waiting for "
+            "that write: a process that ends right after a call returns can lose that call's "
+            "record, and the resumed run executes it again."
+        )
+    db = s1.get("dbos")
+    if db and db.get("warm_extra", {}).get("launch_to_result_ms"):
+        obs.append(
+            f"W1 warm, DBOS: the recovered workflow's calls took {db['warm_total_s']:.2f} s "
+            "(median over repetitions); from `DBOS.launch()` to the workflow's result, "
+            f"{db['warm_extra']['launch_to_result_ms'] / 1e3:.2f} s in the first repetition "
+            "(recovery runs on a background thread after launch)."
+        )
+    return obs
 
 
 def _observations(
@@ -510,7 +915,8 @@ def render(results: dict[str, Any], docs: Path) -> Path:
     meta = results["meta"]
     s2 = summary.summarize_w2(results["w2"]) if "w2" in results else None
     s3 = summary.summarize_w3(results["w3"]) if "w3" in results else None
-    ts = summary.targets(s2, s3)
+    s1 = summary.summarize_w1(results["w1"]) if "w1" in results else None
+    ts = summary.targets(s2, s3, s1)
     pk = meta["packages"]
     lines = [
         "# Performance",
@@ -525,7 +931,8 @@ def render(results: dict[str, Any], docs: Path) -> Path:
             f"{meta['reps']} repetitions{' in `--quick` mode' if meta.get('quick') else ''}, "
             f"{meta['duration_s'] / 60:.1f} min in all. Reproduce with **`{COMMAND_TEXT}`** "
             "(installs the `bench` extra into `.venv`, then runs `python -m bench`; "
-            "`python -m bench --quick` for a 3-minute check). Workloads, floors, peers and "
+            "`python -m bench --quick` for a shorter check, `--only w1` for one workload). "
+            "Workloads, floors, peers and "
             "targets are defined in BENCH.md; absolute times on these shared 2-core machines "
             "drift by ±15 %, ratios hold."
         ),
@@ -537,6 +944,15 @@ def render(results: dict[str, Any], docs: Path) -> Path:
                 "> `checkpoint/` changed in the working tree while this run was in progress; "
                 "every phase ran from the copy taken at the start (checkpoint/ sha256 "
                 f"{meta['checkpoint_src_sha256']})."
+            ),
+            "",
+        ]
+    if meta.get("ledger_working_tree_sha256_after"):
+        lines += [
+            (
+                "> `ledger/` changed in the working tree while this run was in progress; "
+                "every phase ran from the copy taken at the start (ledger/ sha256 "
+                f"{meta['ledger_src_sha256']})."
             ),
             "",
         ]
@@ -562,7 +978,13 @@ def render(results: dict[str, Any], docs: Path) -> Path:
                     "onceonly",
                     (
                         f"{pk.get('onceonly')} (git {meta['git_head']}, checkpoint/ "
-                        f"sha256 {meta['checkpoint_src_sha256']})"
+                        f"sha256 {meta['checkpoint_src_sha256']}"
+                        + (
+                            f", ledger/ sha256 {meta['ledger_src_sha256']}"
+                            if meta.get("ledger_src_sha256")
+                            else ""
+                        )
+                        + ")"
                     ),
                 ],
                 ["SQLAlchemy", pk.get("SQLAlchemy", "")],
@@ -574,11 +996,14 @@ def render(results: dict[str, Any], docs: Path) -> Path:
                         f"{pk.get('langgraph-checkpoint-sqlite')}"
                     ),
                 ],
+                ["DBOS", f"dbos {pk.get('dbos', 'not recorded')}"],
             ],
             "ll",
         ),
         "",
     ]
+    if s1 is not None:
+        lines += _w1_section(results, s1, plots)
     if s2 is not None:
         lines += _w2_section(results, s2, plots)
     if s3 is not None:
@@ -596,27 +1021,39 @@ def render(results: dict[str, Any], docs: Path) -> Path:
             "",
         ]
     skipped = results.get("skipped", [])
-    errors = [(n, e) for s in (s2 or {}, s3 or {}) for n, r in s.items() for e in r["errors"]]
+    errors = [
+        (wl, n, e)
+        for wl, s in (("W1", s1 or {}), ("W2", s2 or {}), ("W3", s3 or {}))
+        for n, r in s.items()
+        for e in r["errors"]
+    ]
     if skipped or errors:
         lines += ["## Skipped or failed", ""]
         for sk in skipped:
+            if sk["workload"] == "W1":
+                lines.append(f"- W1 {w1_label(sk['system'])}: skipped — {sk['reason']}.")
+                continue
             size = f"{sk['size']:,} steps" if sk["size"] else "all sizes"
             lines.append(
                 f"- {sk['workload']} {label(sk['system'])}, {size}: skipped — {sk['reason']}."
             )
-        for name, err in errors:
+        for wl, name, err in errors:
             first = err.splitlines()[0]
-            lines.append(f"- {label(name)}: failed — `{first}`")
+            shown = w1_label(name) if wl == "W1" else label(name)
+            lines.append(f"- {wl} {shown}: failed — `{first}`")
         lines.append("")
-    obs = _observations(results, s2, s3)
+    obs = _w1_observations(results, s1) + _observations(results, s2, s3)
     lines += [
         "## Method",
         "",
         (
-            "- Each phase (a W2 write, a W2 load, a W3 build, a W3 resume) runs in a fresh "
-            "process (`python -m bench.w2 …`, `python -m bench.w3 …`) from a copy of "
-            "`checkpoint/` and `bench/` taken at the start; within a repetition the systems "
-            "alternate in a fixed order: the W2 writes of all systems, then "
+            "- Each phase (a W1 cold, warm, async or probe run, a W2 write, a W2 load, a W3 "
+            "build, a W3 resume) runs in a fresh process (`python -m bench.w1 …`, "
+            "`python -m bench.w2 …`, `python -m bench.w3 …`) from a copy of `checkpoint/`, "
+            "`ledger/` and `bench/` taken at the start; within a repetition the systems "
+            "alternate in a fixed order: in W1 the cold runs of all systems, then their warm "
+            "runs on the same databases, the async run, then the probes; in W2 the writes of "
+            "all systems, then "
             f"{meta.get('samples', 1)} round(s) of their loads; in W3, for each size, "
             f"{meta.get('samples', 1)} round(s) of resumes. A repetition's figure for a load "
             "or resume is the median of its rounds."
@@ -628,8 +1065,17 @@ def render(results: dict[str, Any], docs: Path) -> Path:
             "counts; collections of what the timed code allocates still count."
         ),
         (
-            "- p99 is nearest-rank over the run's 300 steps; the published p99 is the median "
-            "over repetitions of each run's p99."
+            "- p99 is nearest-rank over the run's calls (W1) or steps (W2); the published p99 "
+            "is the median over repetitions of each run's p99."
+        ),
+        (
+            "- W1: every system runs the identical calls (`bench/workload.py`: `make_arg(i)`, "
+            "`make_result(arg)`, the counter); results are compared with the expected ones "
+            "after the timing, and the counter is checked (N after a cold run, 0 after a warm "
+            "one). onceonly uses `Ledger(store, Keyring([Secret('k1', 32 bytes)]))`, one "
+            "identity per call (`EffectIdentity(tenant, run, step, 0, 'send_email@1', "
+            "ordinal=i)`), with its defaults otherwise. DBOS's and LangGraph's SQLite "
+            "connections are read back: WAL and `synchronous=2` (FULL) for both."
         ),
         (
             "- Floors use stdlib `sqlite3` in WAL mode with `synchronous=FULL` (read back), one "
@@ -663,7 +1109,8 @@ def render(results: dict[str, Any], docs: Path) -> Path:
         lines += ["## Observations", "", *[f"- {o}" for o in obs], ""]
     lines += [
         (
-            "Raw per-phase results, including every per-step latency: "
+            "Raw per-phase results, including every W2 per-step latency and W1 per-call "
+            "latency quantiles: "
             "[`bench/results/latest.json`](../bench/results/latest.json)."
         ),
         "",
@@ -700,9 +1147,23 @@ def console_summary(results: dict[str, Any]) -> Table:
             t.add_row(
                 "W3", name, f"ratio {r['ratio_hi']:,}/{r['ratio_lo']:,}", ratio(r["ratio"]), ""
             )
+    s1 = summary.summarize_w1(results["w1"]) if "w1" in results else None
+    if s1:
+        for name, r in s1.items():
+            t.add_row(
+                "W1", name, "cold median", ms(r["cold_median_ms"]), ratio(r["x_cold_median_ms"])
+            )
+            t.add_row(
+                "W1", name, "warm median", ms(r["warm_median_ms"]), ratio(r["x_warm_median_ms"])
+            )
+            if r["probe_recorded"]:
+                t.add_row("W1", name, "probe recorded", _probe_cell(r).replace("*", ""), "")
+            if "x_async" in r:
+                t.add_row("W1", name, "async effects/s", per_s(r["async_per_s"]), "")
     for tg in summary.targets(
         summary.summarize_w2(results["w2"]) if "w2" in results else None,
         summary.summarize_w3(results["w3"]) if "w3" in results else None,
+        s1,
     ):
         t.add_row(tg.workload, tg.system, tg.text, _target_value(tg), "met" if tg.met else "MISSED")
     return t

@@ -33,7 +33,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from . import w2, w3, workload
+from . import w1, w2, w3, workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "latest.json"
@@ -51,6 +51,13 @@ class Plan:
     quick: bool
     workloads: list[str]
     samples: int = 1  # fresh-process load/resume samples per cell and repetition
+    w1_calls: int = w1.CALLS
+    w1_probe_calls: int = w1.PROBE_CALLS
+    w1_concurrency: int = w1.CONCURRENCY
+    w1_systems: list[str] = field(default_factory=lambda: list(w1.SYSTEMS))
+    w1_async_systems: list[str] = field(default_factory=lambda: list(w1.ASYNC_SYSTEMS))
+    w1_probe_reps: int = 0  # repetitions that run the probe (the first ones)
+    w1_profile: bool = True
     w2_steps: int = w2.STEPS
     w2_systems: list[str] = field(default_factory=lambda: list(w2.SYSTEMS))
     w3_sizes: dict[str, list[int]] = field(default_factory=dict)
@@ -58,10 +65,36 @@ class Plan:
 
 
 def make_plan(
-    reps: int, samples: int, *, quick: bool, workloads: Sequence[str], lazy: bool
+    reps: int,
+    samples: int,
+    *,
+    quick: bool,
+    workloads: Sequence[str],
+    lazy: bool,
+    missing: dict[str, str] | None = None,
 ) -> Plan:
-    """The systems and sizes to run, and what is skipped and why."""
+    """The systems and sizes to run, and what is skipped and why.
+
+    ``missing``: W1 peer -> why it cannot run here (its package does not import).
+    """
     plan = Plan(reps=reps, quick=quick, workloads=list(workloads), samples=samples)
+    plan.w1_probe_reps = min(reps, 3)
+    for name, why in (missing or {}).items():
+        if name in plan.w1_systems:
+            plan.w1_systems.remove(name)
+            plan.skipped.append({"workload": "W1", "system": name, "size": 0, "reason": why})
+    if quick:
+        plan.w1_probe_reps = 1
+        plan.w1_profile = False
+        plan.skipped.append(
+            {
+                "workload": "W1",
+                "system": "probe",
+                "size": 0,
+                "reason": "--quick: the durable-before-return probe runs in the first "
+                "repetition only (otherwise in the first three), and there is no cProfile run",
+            }
+        )
     growing = (
         "every checkpoint stores the whole state, which grows by one 500-char message per "
         "step, so the database grows quadratically: for 10 000 steps, about {est}"
@@ -104,6 +137,7 @@ def make_plan(
                 }
             )
         plan.w3_sizes[name] = sizes
+    plan.skipped = [s for s in plan.skipped if s["workload"].lower() in plan.workloads]
     return plan
 
 
@@ -150,6 +184,7 @@ def machine() -> dict[str, Any]:
                 "langgraph",
                 "langgraph-checkpoint",
                 "langgraph-checkpoint-sqlite",
+                "dbos",
                 "matplotlib",
             )
         },
@@ -158,23 +193,23 @@ def machine() -> dict[str, Any]:
     }
 
 
-def source_digest(root: Path = ROOT) -> str:
-    """A digest of ``checkpoint/*.py``: ties the figures to the code measured (the working
-    tree may hold uncommitted changes)."""
+def source_digest(root: Path = ROOT, package: str = "checkpoint") -> str:
+    """A digest of ``<package>/*.py`` (``checkpoint`` or ``ledger``): ties the figures to
+    the code measured (the working tree may hold uncommitted changes)."""
     h = hashlib.sha256()
-    for p in sorted((root / "checkpoint").glob("*.py")):
+    for p in sorted((root / package).glob("*.py")):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
 
 def snapshot_sources(tmp: Path) -> Path:
-    """Copy ``checkpoint/`` and ``bench/`` as they are now; every phase runs from the copy
-    (its working directory comes first on ``sys.path``), so all phases of one invocation
-    measure the same code even if the working tree changes meanwhile."""
+    """Copy ``checkpoint/``, ``ledger/`` and ``bench/`` as they are now; every phase runs
+    from the copy (its working directory comes first on ``sys.path``), so all phases of one
+    invocation measure the same code even if the working tree changes meanwhile."""
     src = tmp / "src"
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "results")
-    for pkg in ("checkpoint", "bench"):
+    for pkg in ("checkpoint", "ledger", "bench"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=skip)
     return src
 
@@ -189,6 +224,27 @@ def probe_lazy(src: Path) -> bool:
         [sys.executable, "-c", code], cwd=src, capture_output=True, text=True, check=False
     )
     return proc.stdout.strip() == "True"
+
+
+#: What each W1 peer needs to import (the ``bench`` extra installs them).
+W1_PEER_IMPORTS = {
+    "langgraph": "import langgraph.func, langgraph.checkpoint.sqlite",
+    "dbos": "import dbos",
+}
+
+
+def probe_peers(src: Path) -> dict[str, str]:
+    """W1 peers whose packages do not import here, with the exact error."""
+    missing: dict[str, str] = {}
+    for name, code in W1_PEER_IMPORTS.items():
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=src, capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            last = lines[-1] if lines else f"exit {proc.returncode}"
+            missing[name] = f"`{code}` failed in the benchmark environment: {last}"
+    return missing
 
 
 class Runner:
@@ -235,6 +291,86 @@ class Runner:
 def _remove_db(db: Path) -> None:
     for p in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
         p.unlink(missing_ok=True)
+
+
+def w1_phase_count(plan: Plan) -> int:
+    """How many phases W1 runs (for the progress bar)."""
+    per_rep = 2 * len(plan.w1_systems) + len(plan.w1_async_systems)
+    return plan.reps * per_rep + plan.w1_probe_reps * len(plan.w1_systems) + plan.w1_profile
+
+
+def run_w1(plan: Plan, runner: Runner, progress: Progress, task: Any) -> dict[str, Any]:
+    """W1: per repetition, a cold phase per system, a warm phase per system (same
+    databases), the async phase, then the durable-before-return probe per system; at the
+    end, one cold onceonly run under cProfile."""
+    runs: list[dict[str, Any]] = []
+    calls = str(plan.w1_calls)
+
+    def phase(rep: int, name: str, kind: str, args: list[str]) -> dict[str, Any]:
+        progress.update(task, description=f"W1 rep {rep + 1}/{plan.reps} {kind} {name}")
+        res = runner.phase("bench.w1", [kind, "--system", name, *args], timeout=PHASE_TIMEOUT_S)
+        run = {"rep": rep, "system": name, "phase": kind, **res}
+        runs.append(run)
+        progress.advance(task)
+        return run
+
+    for rep in range(plan.reps):
+        repdir = runner.tmp / "w1" / f"rep{rep}"
+        repdir.mkdir(parents=True)
+        for kind in ("cold", "warm"):
+            for name in plan.w1_systems:
+                phase(rep, name, kind, ["--db", str(repdir / f"{name}.db"), "--calls", calls])
+        for name in plan.w1_async_systems:
+            db = repdir / f"{name}-async.db"
+            conc = str(plan.w1_concurrency)
+            phase(rep, name, "async", ["--db", str(db), "--calls", calls, "--concurrency", conc])
+        if rep < plan.w1_probe_reps:
+            for name in plan.w1_systems:
+                db = repdir / f"{name}-probe.db"
+                phase(rep, name, "probe", ["--db", str(db), "--calls", str(plan.w1_probe_calls)])
+        this = {(r["system"], r["phase"]): r for r in runs if r["rep"] == rep and "error" not in r}
+        floor = this.get((w1.FLOOR, "cold"), {}).get("call", {}).get("median_ms")
+        line = []
+        for name in plan.w1_systems:
+            cold = this.get((name, "cold"))
+            if cold is None:
+                line.append(f"{name} failed")
+                continue
+            med = cold["call"]["median_ms"]
+            x = f" ({med / floor:.2f}x)" if floor else ""
+            line.append(f"{name} {med:.3f} ms{x}")
+        probes = [
+            f"{r['system']} {r['recorded']}/{r['calls']}"
+            for (_n, kind), r in this.items()
+            if kind == "probe"
+        ]
+        progress.console.print(
+            f"W1 rep {rep + 1}: cold median "
+            + ", ".join(line)
+            + (f"; probe {', '.join(probes)}" if probes else "")
+        )
+        shutil.rmtree(repdir)
+    profile: dict[str, Any] = {}
+    if plan.w1_profile:
+        progress.update(task, description="W1 cProfile of onceonly cold")
+        db = runner.tmp / "w1" / "profile.db"
+        profile = runner.phase(
+            "bench.w1",
+            ["profile", "--system", "onceonly", "--db", str(db), "--calls", calls],
+            timeout=PHASE_TIMEOUT_S,
+        )
+        _remove_db(db)
+        progress.advance(task)
+    return {
+        "calls": plan.w1_calls,
+        "probe_calls": plan.w1_probe_calls,
+        "concurrency": plan.w1_concurrency,
+        "systems": plan.w1_systems,
+        "async_systems": plan.w1_async_systems,
+        "floor": w1.FLOOR,
+        "runs": runs,
+        "profile": profile,
+    }
 
 
 def run_w2(plan: Plan, runner: Runner, progress: Progress, task: Any) -> dict[str, Any]:
@@ -365,8 +501,9 @@ def _show(p: Path) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description="onceonly benchmarks W2 (incremental checkpoints) and W3 (resume cost "
-        "versus history length) against floors and LangGraph; see /work/shared/BENCH.md.",
+        description="onceonly benchmarks W1 (guarded effects), W2 (incremental checkpoints) "
+        "and W3 (resume cost versus history length) against floors, LangGraph and DBOS; see "
+        "/work/shared/BENCH.md.",
     )
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 3 quick)")
     p.add_argument(
@@ -375,8 +512,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="fresh-process load/resume samples per repetition (default 3; 1 quick)",
     )
-    p.add_argument("--quick", action="store_true", help="fewer, smaller W3 histories")
-    p.add_argument("--only", choices=["w2", "w3"], action="append", help="run one workload")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer repetitions, smaller W3 histories, one W1 probe round",
+    )
+    p.add_argument("--only", choices=["w1", "w2", "w3"], action="append", help="run one workload")
     p.add_argument("--out", type=Path, default=RESULTS, help="raw results JSON")
     p.add_argument("--docs", type=Path, default=DOCS, help="where performance.md goes")
     p.add_argument(
@@ -403,9 +544,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="onceonly-bench-", dir="/tmp"))
     src = snapshot_sources(tmp)
     meta["checkpoint_src_sha256"] = source_digest(src)
+    meta["ledger_src_sha256"] = source_digest(src, "ledger")
     lazy = probe_lazy(src)
-    plan = make_plan(reps, samples, quick=a.quick, workloads=a.only or ["w2", "w3"], lazy=lazy)
+    workloads = [w for w in ("w1", "w2", "w3") if w in (a.only or ["w1", "w2", "w3"])]
+    missing = probe_peers(src) if "w1" in workloads else {}
+    plan = make_plan(reps, samples, quick=a.quick, workloads=workloads, lazy=lazy, missing=missing)
     runner = Runner(tmp, src, console)
+    n_w1 = w1_phase_count(plan) if "w1" in plan.workloads else 0
     n_w2 = reps * (1 + samples) * len(plan.w2_systems) if "w2" in plan.workloads else 0
     n_w3 = 0
     if "w3" in plan.workloads:
@@ -438,7 +583,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             TimeElapsedColumn(),
             console=console,
         ) as progress:
-            total = progress.add_task("all phases", total=n_w2 + n_w3)
+            total = progress.add_task("all phases", total=n_w1 + n_w2 + n_w3)
+            if "w1" in plan.workloads:
+                results["w1"] = run_w1(plan, runner, progress, total)
             if "w2" in plan.workloads:
                 results["w2"] = run_w2(plan, runner, progress, total)
             if "w3" in plan.workloads:
@@ -455,6 +602,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(
             "[yellow]checkpoint/ changed in the working tree while the benchmark ran; the "
             f"figures are for the copy taken at the start (sha256 {meta['checkpoint_src_sha256']})"
+        )
+    after = source_digest(package="ledger")
+    if after != meta["ledger_src_sha256"]:
+        results["meta"]["ledger_working_tree_sha256_after"] = after
+        console.print(
+            "[yellow]ledger/ changed in the working tree while the benchmark ran; the "
+            f"figures are for the copy taken at the start (sha256 {meta['ledger_src_sha256']})"
         )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = a.out.with_name(a.out.name + ".tmp")

@@ -25,10 +25,13 @@ class Target:
     unit: str
     limit: float
     spread: tuple[float, float] = (math.nan, math.nan)  # per-repetition min, max
+    at_least: bool = False  # the target is value >= limit (else value <= limit)
 
     @property
     def met(self) -> bool:
-        return not math.isnan(self.value) and self.value <= self.limit
+        if math.isnan(self.value):
+            return False
+        return self.value >= self.limit if self.at_least else self.value <= self.limit
 
 
 def _ok(r: dict[str, Any]) -> bool:
@@ -62,6 +65,74 @@ def _range(mine: dict[int, float], floor: dict[int, float]) -> tuple[float, floa
     """Smallest and largest same-repetition ratio."""
     xs = _ratios(mine, floor)
     return (min(xs), max(xs)) if xs else (math.nan, math.nan)
+
+
+W1_FIGURES: dict[str, Callable[[dict[str, Any]], float]] = {
+    "median_ms": lambda r: float(r["call"]["median_ms"]),
+    "p99_ms": lambda r: float(r["call"]["p99_ms"]),
+    "max_ms": lambda r: float(r["call"]["max_ms"]),
+    "total_s": lambda r: float(r["total_s"]),
+    "per_s": lambda r: float(r["per_s"]),
+    "first_ms": lambda r: float(r.get("first_ms", math.nan)),
+    "cpu_ms": lambda r: float(r.get("cpu_ms_per_call", math.nan)),
+    "bytes": lambda r: float(r.get("bytes", math.nan)),
+}
+
+
+def summarize_w1(w1: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per system: cold and warm per-call figures (median over repetitions of the per-run
+    figure) with their ratios to the floor's cold or warm run of the same repetition; the
+    probe's counts per repetition; and for the async systems, effects per second and the
+    ratio to the same system's sync (cold) throughput in the same repetition."""
+    runs = w1["runs"]
+    floor = w1["floor"]
+    out: dict[str, dict[str, Any]] = {}
+    for name in w1["systems"]:
+        row: dict[str, Any] = {}
+        for phase in ("cold", "warm"):
+            mine_runs = [r for r in runs if r["system"] == name and r["phase"] == phase]
+            ok = [r for r in mine_runs if _ok(r)]
+            row[f"{phase}_reps"] = len(ok)
+            row[f"{phase}_verified"] = bool(ok) and all(r["verified"] for r in ok)
+            row[f"{phase}_why"] = sorted({r["why"] for r in ok if not r["verified"]})
+            row[f"{phase}_executed"] = [int(r["executed"]) for r in ok]
+            for fig, get in W1_FIGURES.items():
+                mine = _per_rep(runs, get, system=name, phase=phase)
+                theirs = _per_rep(runs, get, system=floor, phase=phase)
+                row[f"{phase}_{fig}"] = median(list(mine.values()))
+                row[f"x_{phase}_{fig}"] = _med_ratio(mine, theirs)
+                row[f"xr_{phase}_{fig}"] = _range(mine, theirs)
+            row[f"{phase}_extra"] = ok[0].get("extra", {}) if ok else {}
+        probes = sorted(
+            (r for r in runs if r["system"] == name and r["phase"] == "probe" and _ok(r)),
+            key=lambda r: r["rep"],
+        )
+        row["probe_recorded"] = [int(r["recorded"]) for r in probes]
+        row["probe_not_reexecuted"] = [int(r["not_reexecuted"]) for r in probes]
+        row["probe_errors"] = [r["resume_errors"] for r in probes if r["resume_errors"]]
+        row["probe_calls"] = w1["probe_calls"]
+        if name in w1.get("async_systems", []):
+            per_s = W1_FIGURES["per_s"]
+            a = _per_rep(runs, per_s, system=name, phase="async")
+            sync = _per_rep(runs, per_s, system=name, phase="cold")
+            arows = [r for r in runs if r["system"] == name and r["phase"] == "async" and _ok(r)]
+            row["async_per_s"] = median(list(a.values()))
+            row["sync_per_s"] = median(list(sync.values()))
+            row["x_async"] = _med_ratio(a, sync)
+            row["xr_async"] = _range(a, sync)
+            row["async_median_ms"] = median(
+                list(_per_rep(runs, W1_FIGURES["median_ms"], system=name, phase="async").values())
+            )
+            row["async_p99_ms"] = median(
+                list(_per_rep(runs, W1_FIGURES["p99_ms"], system=name, phase="async").values())
+            )
+            row["async_verified"] = bool(arows) and all(r["verified"] for r in arows)
+            row["async_cpu_ms"] = median(
+                list(_per_rep(runs, W1_FIGURES["cpu_ms"], system=name, phase="async").values())
+            )
+        row["errors"] = [r["error"] for r in runs if r["system"] == name and not _ok(r)]
+        out[name] = row
+    return out
 
 
 W2_FIGURES: dict[str, Callable[[dict[str, Any]], float]] = {
@@ -161,10 +232,62 @@ def summarize_w3(w3: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def targets(
-    s2: dict[str, dict[str, Any]] | None, s3: dict[str, dict[str, Any]] | None
+    s2: dict[str, dict[str, Any]] | None,
+    s3: dict[str, dict[str, Any]] | None,
+    s1: dict[str, dict[str, Any]] | None = None,
 ) -> list[Target]:
-    """BENCH.md's W2 and W3 targets, evaluated for onceonly."""
+    """BENCH.md's W1, W2 and W3 targets, evaluated for onceonly."""
     out: list[Target] = []
+    if s1 and "onceonly" in s1:
+        r = s1["onceonly"]
+        out += [
+            Target(
+                "W1",
+                f"cold per-call median ≤ 1.3{TIMES} the two-commit floor",
+                "onceonly",
+                r["x_cold_median_ms"],
+                TIMES,
+                1.3,
+                r["xr_cold_median_ms"],
+            ),
+            Target(
+                "W1",
+                f"warm per-call median ≤ 3{TIMES} the floor lookup",
+                "onceonly",
+                r["x_warm_median_ms"],
+                TIMES,
+                3.0,
+                r["xr_warm_median_ms"],
+            ),
+        ]
+        rec = r["probe_recorded"]
+        if rec:
+            out.append(
+                Target(
+                    "W1",
+                    f"durable-before-return probe {r['probe_calls']}/{r['probe_calls']} "
+                    "(worst repetition)",
+                    "onceonly",
+                    float(min(rec)),
+                    "calls",
+                    float(r["probe_calls"]),
+                    (float(min(rec)), float(max(rec))),
+                    at_least=True,
+                )
+            )
+        if "x_async" in r:
+            out.append(
+                Target(
+                    "W1",
+                    f"W1-async ≥ 5{TIMES} the sync throughput",
+                    "onceonly",
+                    r["x_async"],
+                    TIMES,
+                    5.0,
+                    r["xr_async"],
+                    at_least=True,
+                )
+            )
     if s2:
         for name in ("onceonly", "onceonly-save"):
             if name not in s2:

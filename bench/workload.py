@@ -1,6 +1,10 @@
-"""The shared, deterministic W2/W3 workload (see /work/shared/BENCH.md).
+"""The shared, deterministic W1, W2 and W3 workloads (see /work/shared/BENCH.md).
 
-State: ``kv`` = 1000 keys ``k0000..k0999``, each a 100-char base64 string of seeded PRNG
+W1: call ``i`` of a run of guarded effects takes ``make_arg(i)`` (a dict whose compact
+JSON is 200 bytes) and returns ``make_result(arg)`` (a 200-byte dict derived from the
+sha256 of the argument's JSON).
+
+W2/W3 state: ``kv`` = 1000 keys ``k0000..k0999``, each a 100-char base64 string of seeded PRNG
 bytes (nearly incompressible), ``messages`` = [], ``step`` = 0. Step ``s`` (1-based)
 changes the 5 keys ``j = (37*s + 211*t) mod 1000`` for ``t = 0..4`` to new 100-char values
 and appends one 500-char message.
@@ -12,6 +16,8 @@ be computed on its own (each step seeds its own PRNG).
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -100,3 +106,68 @@ def same_state(got: Any, steps: int) -> tuple[bool, str]:
 def live_state_bytes(steps: int) -> int:
     """Approximate payload of the live state after ``steps`` steps (keys + values)."""
     return KEYS * (len(key(0)) + VALUE_CHARS) + steps * MESSAGE_CHARS
+
+
+# -- W1: guarded effects --------------------------------------------------------------
+
+W1_CALLS = 2000
+W1_ARG_BYTES = 200
+W1_RESULT_BYTES = 200
+_BODY = (
+    "Dear customer, please find attached the invoice for this month's services. "
+    "Payment is due within thirty days of the date shown on the invoice. "
+) * 4
+
+
+def to_json(value: Any) -> str:
+    """The compact, key-sorted JSON the W1 sizes are measured in."""
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def _pad(value: dict[str, Any], field: str, size: int, text: str) -> dict[str, Any]:
+    value[field] = ""
+    need = size - len(to_json(value))
+    if need < 0 or need > len(text):
+        raise ValueError(f"cannot pad {value!r} to {size} bytes")
+    value[field] = text[:need]
+    return value
+
+
+def make_arg(i: int) -> dict[str, Any]:
+    """The argument of W1 call ``i``: its JSON is exactly 200 bytes."""
+    arg = {
+        "call": i,
+        "op": "send_email",
+        "to": f"user{i:06d}@example.com",
+        "subject": f"invoice {i:06d}",
+    }
+    return _pad(arg, "body", W1_ARG_BYTES, _BODY)
+
+
+def make_result(arg: dict[str, Any]) -> dict[str, Any]:
+    """What the guarded body returns for ``arg``: 200 bytes of JSON, from its sha256."""
+    digest = hashlib.sha256(to_json(arg).encode()).hexdigest()
+    result = {
+        "call": arg["call"],
+        "status": "sent",
+        "message_id": f"<{digest[:24]}@mail.example.com>",
+        "sha256": digest,
+    }
+    return _pad(result, "trace", W1_RESULT_BYTES, digest * 2)
+
+
+class EffectCounter:
+    """The W1 external effect: how many times a guarded body ran in this process."""
+
+    def __init__(self) -> None:
+        self.executed = 0
+
+
+#: The process-global counter every W1 system's guarded body increments.
+EFFECT = EffectCounter()
+
+
+def send_email(arg: dict[str, Any]) -> dict[str, Any]:
+    """The guarded body of W1: count the external effect, return its result."""
+    EFFECT.executed += 1
+    return make_result(arg)

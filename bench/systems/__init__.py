@@ -1,8 +1,9 @@
-"""The systems under test, behind one small interface.
+"""The systems under test, behind small interfaces.
 
 Each system is a real implementation (onceonly, stdlib sqlite3 floors, LangGraph with its
-SqliteSaver); phases import only the system they run, so a onceonly process never imports
-LangGraph.
+SqliteSaver, DBOS); phases import only the system they run, so a onceonly process never
+imports LangGraph. :class:`System` is the W2/W3 interface (checkpoints), :class:`W1System`
+the W1 one (guarded effects).
 """
 
 from __future__ import annotations
@@ -94,6 +95,88 @@ LABELS: dict[str, str] = {
     "langgraph": "LangGraph StateGraph + SqliteSaver",
     "langgraph-delta": "LangGraph StateGraph + SqliteSaver, DeltaChannel",
 }
+
+
+# -- W1: guarded effects ---------------------------------------------------------------
+
+
+@dataclass
+class CallsResult:
+    """A W1 run of guarded calls, in call order.
+
+    ``call_s[i]`` is call i's latency (the guarded call alone: the argument is made before
+    the clock starts); ``total_s`` runs from the start of the first call to the return of
+    the last; ``executed`` is how many guarded bodies ran (the process-global counter);
+    ``results`` what the calls returned (verified after the timing). ``errors`` counts
+    calls that raised (a tolerant resume only; otherwise the phase fails).
+    """
+
+    call_s: list[float]
+    total_s: float
+    executed: int
+    results: list[Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    #: The phase must end with ``os._exit`` after reporting (DBOS: a crash that leaves
+    #: the workflow pending, to be recovered by the next process).
+    hard_exit: bool = False
+
+
+class W1System(ABC):
+    """One W1 system: guarded calls with durable intent and outcome, and their replay."""
+
+    name: str = ""
+
+    @abstractmethod
+    def cold(self, db: Path, calls: int) -> CallsResult:
+        """New database: make ``calls`` guarded calls, every one executing (timed)."""
+
+    @abstractmethod
+    def warm(self, db: Path, calls: int, *, tolerant: bool = False) -> CallsResult:
+        """Fresh process, same database, same run: every call should return its recorded
+        result without executing. ``tolerant``: count a call that raises instead of
+        failing (the probe's resume)."""
+
+    @abstractmethod
+    def probe_child(self, db: Path, calls: int) -> None:
+        """New database: make ``calls`` guarded calls and ``os._exit(0)`` right after the
+        last one returns (never returns)."""
+
+    @abstractmethod
+    def recorded(self, db: Path, calls: int) -> int:
+        """How many outcomes the database holds after :meth:`probe_child` (read, no
+        resume)."""
+
+    def run_async(self, db: Path, calls: int, concurrency: int) -> CallsResult:
+        """New database: ``concurrency`` concurrent guarded calls until ``calls`` are done."""
+        raise NotImplementedError(f"{self.name} has no W1-async path")
+
+
+_W1_REGISTRY: dict[str, tuple[str, str]] = {
+    "onceonly": ("bench.systems.w1_onceonly", "LedgerCalls"),
+    "floor": ("bench.systems.w1_floor", "TwoCommitFloor"),
+    "langgraph": ("bench.systems.w1_langgraph", "LangGraphTasks"),
+    "dbos": ("bench.systems.w1_dbos", "DbosSteps"),
+}
+
+W1_LABELS: dict[str, str] = {
+    "onceonly": "onceonly `Ledger.perform` (sync durability)",
+    "floor": "floor: sqlite3 WAL FULL, 2 commits per call",
+    "langgraph": "LangGraph `@entrypoint` + `@task`, SqliteSaver sync",
+    "dbos": "DBOS `@DBOS.step` in a workflow, SQLite WAL",
+}
+
+
+def w1_names() -> list[str]:
+    """Every W1 system name."""
+    return list(_W1_REGISTRY)
+
+
+def get_w1(name: str) -> W1System:
+    """Instantiate W1 system ``name`` (importing only its module)."""
+    module, cls = _W1_REGISTRY[name]
+    system: W1System = getattr(importlib.import_module(module), cls)()
+    return system
 
 
 def names() -> list[str]:
