@@ -81,8 +81,12 @@ def test_racing_workers_claim_each_key_exactly_once(
     # every worker saw every key once: won, replayed, or in flight at that moment
     for r in reports:
         assert len(r["won"]) + r["replayed"] + r["in_flight"] == n_keys
-    # the race was a race: more than one worker won keys
-    assert sum(1 for r in reports if r["won"]) >= 2, reports
+    # The race was a race: on PostgreSQL, claims run in parallel and several workers win
+    # keys. SQLite admits one writer at a time and its busy handler lets a waiting writer
+    # sleep up to 100 ms, so one worker may legitimately take every key before its rivals
+    # wake; there the walk itself (every worker attempted every key) is the evidence.
+    if sqlite_path(db_url) is None:
+        assert sum(1 for r in reports if r["won"]) >= 2, reports
 
     winner_of = {i: w for w, r in enumerate(reports) for i in r["won"]}
     store = Store.open(db_url)
