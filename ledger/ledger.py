@@ -481,6 +481,23 @@ class Ledger(QueryMixin):
         await loop.run_in_executor(self._executor(), lambda: self.commit(out, result))
         return result
 
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread pool async callers run ledger writes on (shared, created lazily)."""
+        return self._executor()
+
+    def replay(self, key_id: str) -> Replay:
+        """The recorded outcome of a finished entry, without acting.
+
+        Raises:
+            EffectFailed: The entry failed definitely (its recorded error).
+            InvalidTransition: The entry has no definite outcome yet.
+            UnknownEffect: No such entry.
+        """
+        row = self._get_row(key_id)
+        if row["status"] not in _TERMINAL:
+            raise InvalidTransition(key_id, row["status"], "replay an unfinished effect")
+        return self._replay(row)
+
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
