@@ -348,9 +348,15 @@ async def _run_async(
                         spec.retry.max_s,
                     )
                 )
-            out = (
-                resend if resend is not None else await call(lambda: _claim(spec, ident, call_args))
-            )
+            try:
+                out = (
+                    resend
+                    if resend is not None
+                    else await call(lambda: _claim(spec, ident, call_args))
+                )
+            except _Again as again:  # reconciled as not happened: claim anew
+                resend, last = again.claim, again.cause
+                continue
             resend = None
             if isinstance(out, Replay):
                 _finish(span, "replayed" if attempt == 1 else "reconciled", None, attempt)
@@ -367,6 +373,9 @@ async def _run_async(
                 except EffectInDoubt:
                     _finish(span, "in_doubt", out, attempt)
                     raise
+                except _Again as again:  # the probe proved it did not happen
+                    resend, last = again.claim, exc
+                    continue
                 resend, last = signal.claim, exc
                 continue
             await call(functools.partial(ledger.commit, out, result))
