@@ -464,7 +464,7 @@ class Ledger(QueryMixin):
         ``async`` store durability concurrent calls share group commits."""
         loop = asyncio.get_running_loop()
         out = await loop.run_in_executor(
-            self._executor(),
+            self.executor(),
             lambda: self.claim(
                 identity, args, provider_class=provider_class, window_s=window_s, subject=subject
             ),
@@ -475,15 +475,11 @@ class Ledger(QueryMixin):
             result = await act(out)
         except BaseException as exc:
             await loop.run_in_executor(
-                self._executor(), functools.partial(self._record_failure, out, exc, classify)
+                self.executor(), functools.partial(self._record_failure, out, exc, classify)
             )
             raise
-        await loop.run_in_executor(self._executor(), lambda: self.commit(out, result))
+        await loop.run_in_executor(self.executor(), lambda: self.commit(out, result))
         return result
-
-    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The thread pool async callers run ledger writes on (shared, created lazily)."""
-        return self._executor()
 
     def replay(self, key_id: str) -> Replay:
         """The recorded outcome of a finished entry, without acting.
@@ -498,7 +494,8 @@ class Ledger(QueryMixin):
             raise InvalidTransition(key_id, row["status"], "replay an unfinished effect")
         return self._replay(row)
 
-    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread pool async callers run ledger writes on (shared, created lazily)."""
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
