@@ -67,9 +67,9 @@ def configure(engine: Engine, *, busy_timeout_ms: int) -> None:
             # Take transaction control from the driver so BEGIN IMMEDIATE is ours.
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=FULL")
             cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+            _switch_to_wal(cur, busy_timeout_ms)
+            cur.execute("PRAGMA synchronous=FULL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
 
@@ -83,6 +83,29 @@ def configure(engine: Engine, *, busy_timeout_ms: int) -> None:
         if not isinstance(engine.pool, NullPool):
             engine.dispose()  # connections made before the hooks lack the pragmas
     setattr(engine, _CONFIGURED, True)
+
+
+def _switch_to_wal(cur: Any, busy_timeout_ms: int) -> None:
+    """Set WAL mode, waiting like busy_timeout would.
+
+    Switching a fresh database to WAL needs an exclusive lock, and SQLite answers "database
+    is locked" at once (without its busy handler) when several processes open the same new
+    file together; retry for up to busy_timeout.
+    """
+    import sqlite3  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    deadline = time.monotonic() + busy_timeout_ms / 1000.0
+    pause = 0.002
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc).lower() or time.monotonic() >= deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
 
 def open_checks(engine: Engine, component: str) -> int:
