@@ -15,6 +15,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import create_engine, text
 
 from checkpoint import Store
@@ -96,3 +100,21 @@ def ledgers(db_url: str, clock: Clock) -> Iterator[Ledgers]:
         yield lg
     finally:
         lg.close()
+
+
+_EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tracing() -> None:
+    """One SDK tracer provider for the session (OpenTelemetry allows setting it once)."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+    trace.set_tracer_provider(provider)
+
+
+@pytest.fixture
+def spans() -> InMemorySpanExporter:
+    """The finished spans of this test (the exporter is cleared first)."""
+    _EXPORTER.clear()
+    return _EXPORTER

@@ -12,9 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from adapters import RetryPolicy, current_claim, guard, step
@@ -30,21 +27,6 @@ from ledger import (
     OutcomeClass,
 )
 from tests.ledger_support import Ledgers
-
-_EXPORTER = InMemorySpanExporter()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _tracing() -> None:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-    trace.set_tracer_provider(provider)
-
-
-@pytest.fixture
-def spans() -> InMemorySpanExporter:
-    _EXPORTER.clear()
-    return _EXPORTER
 
 
 @dataclass
