@@ -5,7 +5,7 @@ has the guard itself and the email adapter (SMTP, probed by IMAP); the other ada
 (HTTP, records, bookings, MCP, LangGraph) build on the same guard.
 """
 
-from .context import current_claim, identity_for, step
+from .context import StepDiverged, current_claim, identity_for, step
 from .email import (
     EmailNotSent,
     EmailOutcomeUnknown,
@@ -30,6 +30,7 @@ __all__ = [
     "RetryPolicy",
     "SMTPServer",
     "SentEmail",
+    "StepDiverged",
     "classify_smtp",
     "current_claim",
     "guard",

@@ -10,13 +10,54 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from checkpoint.errors import ConfigurationError
+from checkpoint.errors import ConfigurationError, OnceOnlyError
 from ledger import Claim, EffectIdentity
 
-__all__ = ["current_claim", "identity_for", "step"]
+__all__ = ["StepDiverged", "current_claim", "identity_for", "step"]
+
+
+class StepDiverged(OnceOnlyError):
+    """A resumed step asked for effects other than the ones its earlier attempt recorded.
+
+    The code or the plan changed between the attempts (an effect renamed, reordered,
+    removed or added before the recorded ones): acting now could duplicate or orphan an
+    effect that already happened, so nothing was sent. Restore the code that recorded
+    them, or resolve the recorded effects and fork the run (``onceonly runs fork``).
+
+    Attributes:
+        run_id: The run.
+        step_id: The step (with its visit).
+        expected: The recorded key id the step should have asked for next (None: the step
+            finished without asking for recorded effects).
+        got: The key id the step asked for (None: the step finished).
+        remaining: Recorded key ids the step has not asked for.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        step_id: str,
+        expected: str | None,
+        got: str | None,
+        remaining: Sequence[str],
+    ) -> None:
+        self.run_id = run_id
+        self.step_id = step_id
+        self.expected = expected
+        self.got = got
+        self.remaining = tuple(remaining)
+        if got is None:
+            what = f"finished without asking for {len(remaining)} recorded effect(s)"
+        else:
+            what = f"asked for effect {got[:16]} where the recorded one is {str(expected)[:16]}"
+        super().__init__(
+            f"step {step_id!r} of run {run_id!r} diverged from its recorded attempt: it {what}; "
+            f"nothing was sent. Restore the code that recorded them, or resolve the recorded "
+            f"effects (`onceonly effects list --run {run_id}`) and fork the run"
+        )
 
 
 @dataclass
@@ -26,6 +67,21 @@ class _StepState:
     step_id: str
     visit: int
     ordinals: dict[str, int] = field(default_factory=dict)
+    recorded: tuple[str, ...] = ()
+    consumed: int = 0
+
+    def expect(self, key_id: str) -> None:
+        if self.consumed >= len(self.recorded):
+            return  # past the recorded prefix: new effects are the step's own business
+        if self.recorded[self.consumed] != key_id:
+            raise StepDiverged(
+                self.run_id,
+                self.step_id,
+                self.recorded[self.consumed],
+                key_id,
+                self.recorded[self.consumed :],
+            )
+        self.consumed += 1
 
 
 _STEP: contextvars.ContextVar[_StepState | None] = contextvars.ContextVar(
@@ -37,7 +93,14 @@ _CLAIM: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def step(run_id: str, step_id: str, *, visit: int = 0, tenant: str = "") -> Iterator[None]:
+def step(
+    run_id: str,
+    step_id: str,
+    *,
+    visit: int = 0,
+    tenant: str = "",
+    recorded: Sequence[str] = (),
+) -> Iterator[None]:
     """Run the enclosed guarded calls as part of ``step_id`` of ``run_id``.
 
     Args:
@@ -46,12 +109,25 @@ def step(run_id: str, step_id: str, *, visit: int = 0, tenant: str = "") -> Iter
         visit: How many times the run entered this step before (from durable state: a
             retry of the same visit must pass the same number, a loop's next pass the next).
         tenant: The tenant.
+        recorded: Key ids an earlier attempt of this step visit recorded, in the order it
+            asked for them. The step must ask for them again in that order before it may
+            ask for anything new; otherwise :class:`StepDiverged` is raised before acting.
+            Leaving the block normally without asking for all of them raises too.
+
+    Raises:
+        StepDiverged: On exit, when the block finished normally without asking for every
+            recorded effect.
     """
-    token = _STEP.set(_StepState(tenant, run_id, step_id, visit))
+    state = _StepState(tenant, run_id, step_id, visit, recorded=tuple(recorded))
+    token = _STEP.set(state)
     try:
         yield
     finally:
         _STEP.reset(token)
+    if state.consumed < len(state.recorded):
+        raise StepDiverged(
+            run_id, step_id, state.recorded[state.consumed], None, state.recorded[state.consumed :]
+        )
 
 
 def identity_for(effect: str) -> EffectIdentity:
@@ -70,6 +146,17 @@ def identity_for(effect: str) -> EffectIdentity:
     ordinal = state.ordinals.get(effect, 0)
     state.ordinals[effect] = ordinal + 1
     return EffectIdentity(state.tenant, state.run_id, state.step_id, state.visit, effect, ordinal)
+
+
+def expect_key(key_id: str) -> None:
+    """Check a position-keyed call against the current step's recorded prefix.
+
+    Raises:
+        StepDiverged: The step asked for another effect than the recorded one.
+    """
+    state = _STEP.get()
+    if state is not None:
+        state.expect(key_id)
 
 
 def current_claim() -> Claim:

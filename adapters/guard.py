@@ -35,7 +35,7 @@ from ledger import (
     Replay,
 )
 
-from .context import _acting, identity_for
+from .context import _acting, expect_key, identity_for
 
 __all__ = ["Probe", "RetryPolicy", "guard"]
 
@@ -174,6 +174,7 @@ def guard(
                 ident = EffectIdentity(tenant, None, None, 0, effect, 0, explicit=explicit)
             else:
                 ident = identity_for(effect)
+                expect_key(ledger.key_id(ident))  # a resumed step must not diverge
             return ident, call_args
 
         if inspect.iscoroutinefunction(fn):

@@ -25,6 +25,8 @@ from .errors import (
     StateVersionError,
     StoreError,
     UnknownCodecTag,
+    WaitNotFound,
+    WaitRefused,
     WeakDurabilityError,
 )
 from .records import (
@@ -41,6 +43,7 @@ from .records import (
     StateMigrations,
 )
 from .store import Store, ensure_schema, migrate, migrate_component
+from .waits import NOTIFY_CHANNEL, Wait, WaitKind, Waits, WaitStatus, notify_ready, subject_hash
 
 __all__ = [
     "AsyncWriteError",
@@ -59,6 +62,7 @@ __all__ = [
     "KeyframePolicy",
     "LeaseHeld",
     "Migration",
+    "NOTIFY_CHANNEL",
     "NotFound",
     "OnceOnlyError",
     "RetentionPolicy",
@@ -75,10 +79,18 @@ __all__ = [
     "Store",
     "StoreError",
     "UnknownCodecTag",
+    "Wait",
+    "WaitKind",
+    "WaitNotFound",
+    "WaitRefused",
+    "WaitStatus",
+    "Waits",
     "WeakDurabilityError",
     "apply_migrations",
     "ensure_schema",
     "migrate",
     "migrate_component",
+    "notify_ready",
     "pending_sql",
+    "subject_hash",
 ]

@@ -111,6 +111,28 @@ class Migration:
     statements: Sequence[DDLElement]
 
 
+waits = Table(
+    "oo_waits",
+    metadata,
+    Column("run_id", String(200), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("kind", String(16), nullable=False),  # approval | signal | timer
+    Column("status", String(16), nullable=False),
+    Column("due_at", Float, nullable=True),  # timer due, or approval expiry
+    Column("subject_hash", String(64), nullable=True),
+    Column("subject", LargeBinary, nullable=True),  # what is to be approved (codec)
+    Column("requested_by", String(200), nullable=True),
+    Column("allow_self", SmallInteger, nullable=False),
+    Column("payload", LargeBinary, nullable=True),  # a signal's payload (codec)
+    Column("decided_by", String(200), nullable=True),
+    Column("decided_at", Float, nullable=True),
+    Column("reason", String(2000), nullable=True),
+    Column("created_at", Float, nullable=False),
+    PrimaryKeyConstraint("run_id", "name"),
+)
+# The worker's scan for due timers and expired approvals.
+waits_by_due = Index("oo_waits_due", waits.c.status, waits.c.due_at)
+
 CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -123,6 +145,11 @@ CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
             CreateTable(blob_refs),
             CreateIndex(blob_refs_by_hash),
         ),
+    ),
+    Migration(
+        2,
+        "waits: approvals (bound to a subject hash), signals and timers of waiting runs",
+        (CreateTable(waits), CreateIndex(waits_by_due)),
     ),
 )
 CHECKPOINT_SCHEMA_VERSION = CHECKPOINT_MIGRATIONS[-1].version

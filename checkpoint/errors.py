@@ -16,9 +16,11 @@ Every error onceonly raises derives from :class:`OnceOnlyError`; the upper layer
     ├── CorruptRecord               a stored blob or row fails its integrity check
     │   └── UnknownCodecTag         a stored value carries a tag this codec does not know
     ├── StateVersionError           a checkpoint's state schema cannot be brought to current
-    ├── NotFound                    no such run or checkpoint
+    ├── NotFound                    no such run, checkpoint or wait
     │   ├── RunNotFound
-    │   └── CheckpointNotFound
+    │   ├── CheckpointNotFound
+    │   └── WaitNotFound
+    ├── WaitRefused                 an approval, rejection or signal was not accepted
     ├── LeaseHeld                   another worker holds the run's lease
     └── AsyncWriteError             a background (async durability) write failed earlier
 
@@ -46,6 +48,8 @@ __all__ = [
     "StateVersionError",
     "StoreError",
     "UnknownCodecTag",
+    "WaitNotFound",
+    "WaitRefused",
     "WeakDurabilityError",
 ]
 
@@ -221,6 +225,36 @@ class CheckpointNotFound(NotFound):
         self.seq = seq
         what = "no checkpoint yet" if seq is None else f"no checkpoint {seq}"
         super().__init__(f"run {run_id!r} has {what}; see Store.history({run_id!r})")
+
+
+class WaitNotFound(NotFound):
+    """The run has no wait (approval, signal or timer) with this name."""
+
+    def __init__(self, run_id: str, name: str) -> None:
+        self.run_id = run_id
+        self.name = name
+        super().__init__(
+            f"run {run_id!r} has no wait named {name!r}; see `onceonly runs show {run_id}`"
+        )
+
+
+class WaitRefused(OnceOnlyError):
+    """An approval, rejection or signal was refused; nothing was recorded.
+
+    Attributes:
+        run_id: The run.
+        name: The wait.
+        reason: Machine-readable reason: ``decided`` (already approved, rejected,
+            expired or cancelled), ``expired``, ``subject_changed`` (the hash given is not
+            the hash of what was requested), ``self_approval``, ``not_approval`` or
+            ``kind_mismatch``.
+    """
+
+    def __init__(self, run_id: str, name: str, reason: str, message: str) -> None:
+        self.run_id = run_id
+        self.name = name
+        self.reason = reason
+        super().__init__(message)
 
 
 class LeaseHeld(OnceOnlyError):

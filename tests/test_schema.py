@@ -28,7 +28,14 @@ from checkpoint import (
 )
 from tests.dbutil import execute, fetch
 
-CHECKPOINT_TABLES = {"onceonly_schema", "oo_runs", "oo_checkpoints", "oo_blobs", "oo_blob_refs"}
+CHECKPOINT_TABLES = {
+    "oo_waits",
+    "onceonly_schema",
+    "oo_runs",
+    "oo_checkpoints",
+    "oo_blobs",
+    "oo_blob_refs",
+}
 
 
 @pytest.fixture
@@ -89,7 +96,7 @@ def test_migrate_sql_shows_the_ddl_and_creates_nothing(db_url: str, plain_engine
 
 def test_migrate_creates_the_schema_then_the_store_opens(db_url: str, plain_engine: Engine) -> None:
     summary = migrate(db_url)
-    assert "applied 1" in summary
+    assert f"applied {len(schema_module.CHECKPOINT_MIGRATIONS)}" in summary
     assert _tables(plain_engine) >= CHECKPOINT_TABLES
     with Store.open(db_url, create=False) as store:
         _usable(store)
@@ -320,3 +327,23 @@ def test_workers_opening_a_fresh_database_at_once_all_succeed(db_url: str) -> No
     finally:
         for s in stores:
             s.close()
+
+
+def test_a_version_1_store_migrates_to_waits_keeping_its_runs(
+    db_url: str, plain_engine: Engine
+) -> None:
+    first = schema_module.CHECKPOINT_MIGRATIONS[:1]
+    schema_module.apply_migrations(plain_engine, "checkpoint", first)
+    execute(
+        plain_engine,
+        "INSERT INTO oo_runs (run_id, flow, code_version, state_version, status, "
+        "created_at, updated_at) VALUES ('r1', 'f', '0', 1, 'running', 0, 0)",
+    )
+    with pytest.raises(SchemaVersionError) as exc:
+        Store.open(db_url, create=False)
+    assert (exc.value.found, exc.value.expected) == (1, schema_module.CHECKPOINT_SCHEMA_VERSION)
+    assert "v2: waits" in migrate(db_url, sql=True)
+    migrate(db_url)
+    assert "oo_waits" in _tables(plain_engine)
+    with Store.open(db_url, create=False) as store:
+        assert store.get_run("r1").flow == "f"

@@ -1,0 +1,528 @@
+"""Waits: what a waiting run waits for, and the records that wake it.
+
+A run waits for an **approval** (bound to a hash of exactly what is to be approved, with an
+expiry and the requester's identity), an inbound **signal** with a payload, or a
+**timer**. A waiting run holds no process, thread or connection: its wait is a row in
+``oo_waits`` and its status is ``waiting``. A decision or a signal, from any process,
+records itself on the row and makes the run ``running`` again in the same transaction;
+a due timer or an expired approval is found by :meth:`Waits.claim_ready`.
+
+Names are unique within a run (a loop that waits on each pass names each wait). A signal
+may arrive before the run waits for it: it is kept (``delivered``) and the wait, when it
+opens, is settled at once.
+
+The waiting run and the open wait are written in two transactions, in an order that
+keeps every interleaving safe: the wait is opened first (a crash before the checkpoint
+leaves a running run that re-runs its step and finds its wait open), the run is marked
+waiting, and then :meth:`Waits.wake_if_settled` catches a decision that landed in
+between.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import blake3
+
+from .errors import ConfigurationError, WaitNotFound, WaitRefused
+
+if TYPE_CHECKING:
+    from .store import Store
+
+__all__ = [
+    "NOTIFY_CHANNEL",
+    "Wait",
+    "WaitKind",
+    "WaitStatus",
+    "Waits",
+    "notify_ready",
+    "subject_hash",
+]
+
+
+class WaitKind(enum.StrEnum):
+    """What a run waits for."""
+
+    APPROVAL = "approval"
+    SIGNAL = "signal"
+    TIMER = "timer"
+
+
+class WaitStatus(enum.StrEnum):
+    """Where a wait is in its life."""
+
+    OPEN = "open"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    EXPIRED = "expired"
+    DELIVERED = "delivered"
+    FIRED = "fired"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """One wait of a run.
+
+    Attributes:
+        run_id: The run.
+        name: Unique within the run.
+        kind: Approval, signal or timer.
+        status: Open, or how it was settled.
+        due_at: A timer's due time, or an approval's expiry (UNIX seconds).
+        subject_hash: Approvals: hash of exactly what is to be approved.
+        subject: Approvals: what is to be approved (shown to the approver).
+        requested_by: Approvals: who asked (may not approve unless ``allow_self``).
+        allow_self: Approvals: the requester may approve their own request.
+        payload: Signals: the delivered payload.
+        decided_by: Who approved, rejected, signalled or cancelled.
+        decided_at: When (UNIX seconds).
+        reason: The decider's reason.
+        created_at: When the wait (or an early signal) was recorded.
+    """
+
+    run_id: str
+    name: str
+    kind: WaitKind
+    status: WaitStatus
+    due_at: float | None
+    subject_hash: str | None
+    subject: Any
+    requested_by: str | None
+    allow_self: bool
+    payload: Any
+    decided_by: str | None
+    decided_at: float | None
+    reason: str | None
+    created_at: float
+
+    @property
+    def settled(self) -> bool:
+        """Whether the wait has an outcome (anything but open)."""
+        return self.status is not WaitStatus.OPEN
+
+
+def subject_hash(store: Store, subject: Any) -> str:
+    """The hash an approval is bound to: blake3 of the canonical encoding of ``subject``."""
+    return blake3.blake3(store.codec.encode(subject)).hexdigest()
+
+
+_COLS = (
+    "run_id, name, kind, status, due_at, subject_hash, subject, requested_by, allow_self, "
+    "payload, decided_by, decided_at, reason, created_at"
+)
+NOTIFY_CHANNEL = "onceonly_runs"
+"""The PostgreSQL ``LISTEN`` channel on which idle workers are woken."""
+
+
+class Waits:
+    """The waits of a store's runs.
+
+    Args:
+        store: The checkpoint store.
+        clock: Current UNIX time (tests pass a settable clock).
+    """
+
+    def __init__(self, store: Store, *, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.clock = clock
+
+    # -- reading -----------------------------------------------------------------------
+    def get(self, run_id: str, name: str) -> Wait:
+        """The wait ``name`` of ``run_id``.
+
+        Raises:
+            WaitNotFound: No such wait.
+        """
+        q = self.store.param
+
+        def read(cur: Any) -> tuple[Any, ...] | None:
+            cur.execute(
+                f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q}", (run_id, name)
+            )
+            row = cur.fetchone()
+            return None if row is None else tuple(row)
+
+        row = self.store.read(read)
+        if row is None:
+            raise WaitNotFound(run_id, name)
+        return self._wait(row)
+
+    def find(
+        self, *, run_id: str | None = None, status: WaitStatus | str | None = None
+    ) -> list[Wait]:
+        """Waits, oldest first, optionally of one run or in one status."""
+        q = self.store.param
+        where: list[str] = []
+        params: list[Any] = []
+        if run_id is not None:
+            where.append(f"run_id = {q}")
+            params.append(run_id)
+        if status is not None:
+            where.append(f"status = {q}")
+            params.append(WaitStatus(status).value)
+        sql = f"SELECT {_COLS} FROM oo_waits"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at, run_id, name"
+
+        def read(cur: Any) -> list[tuple[Any, ...]]:
+            cur.execute(sql, params)
+            return [tuple(r) for r in cur.fetchall()]
+
+        return [self._wait(r) for r in self.store.read(read)]
+
+    # -- the waiting run ---------------------------------------------------------------
+    def open(
+        self,
+        run_id: str,
+        name: str,
+        kind: WaitKind | str,
+        *,
+        due_at: float | None = None,
+        subject: Any = None,
+        requested_by: str | None = None,
+        allow_self: bool = False,
+    ) -> Wait:
+        """Open a wait (idempotent: an existing wait of the same name is returned as is).
+
+        A signal delivered before its wait opened is returned ``delivered``.
+
+        Raises:
+            WaitRefused: A wait of this name exists with another kind
+                (``kind_mismatch``), or an approval with another subject
+                (``subject_changed``): names are unique within a run.
+        """
+        kind = WaitKind(kind)
+        if kind is WaitKind.TIMER and due_at is None:
+            raise ConfigurationError("a timer wait needs due_at")
+        q = self.store.param
+        digest = subject_hash(self.store, subject) if kind is WaitKind.APPROVAL else None
+        encoded = self.store.codec.encode(subject) if kind is WaitKind.APPROVAL else None
+        now = self.clock()
+
+        def txn(cur: Any) -> tuple[Any, ...]:
+            cur.execute(
+                f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q}", (run_id, name)
+            )
+            row = cur.fetchone()
+            if row is None:
+                cur.execute(
+                    f"INSERT INTO oo_waits ({_COLS}) VALUES "
+                    f"({q}, {q}, {q}, {q}, {q}, {q}, {q}, {q}, {q}, NULL, NULL, NULL, NULL, {q})",
+                    (
+                        run_id,
+                        name,
+                        kind.value,
+                        WaitStatus.OPEN.value,
+                        due_at,
+                        digest,
+                        encoded,
+                        requested_by,
+                        int(allow_self),
+                        now,
+                    ),
+                )
+                cur.execute(
+                    f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q}",
+                    (run_id, name),
+                )
+                row = cur.fetchone()
+            return tuple(row)
+
+        wait = self._wait(self.store.transact(txn))
+        if wait.kind is not kind:
+            raise WaitRefused(
+                run_id,
+                name,
+                "kind_mismatch",
+                f"run {run_id!r} already has a {wait.kind.value} wait named {name!r}; wait "
+                f"names are unique within a run",
+            )
+        if kind is WaitKind.APPROVAL and wait.subject_hash != digest:
+            raise WaitRefused(
+                run_id,
+                name,
+                "subject_changed",
+                f"run {run_id!r} already asked for approval {name!r} of something else "
+                f"(hash {wait.subject_hash}); what is to be approved changed since",
+            )
+        return wait
+
+    def wake_if_settled(self, run_id: str, name: str) -> bool:
+        """Make a waiting run ready if its wait ``name`` is settled or due.
+
+        Returns:
+            Whether the wait is settled or due (the run is ready, or was already).
+        """
+        q = self.store.param
+        now = self.clock()
+
+        def txn(cur: Any) -> bool:
+            cur.execute(
+                f"SELECT status, due_at FROM oo_waits WHERE run_id = {q} AND name = {q}",
+                (run_id, name),
+            )
+            row = cur.fetchone()
+            if row is None:
+                raise WaitNotFound(run_id, name)
+            ready = row[0] != WaitStatus.OPEN.value or (row[1] is not None and row[1] <= now)
+            if ready:
+                self._wake(cur, run_id, now)
+            return ready
+
+        return self.store.transact(txn)
+
+    def fire_if_due(self, run_id: str, name: str) -> Wait:
+        """Settle an open wait whose time has come: a timer ``fired``, an approval
+        ``expired``. Returns the wait as it now is."""
+        q = self.store.param
+        now = self.clock()
+
+        def txn(cur: Any) -> None:
+            cur.execute(
+                f"UPDATE oo_waits SET status = CASE kind WHEN 'timer' THEN 'fired' "
+                f"ELSE 'expired' END, decided_at = {q}, decided_by = 'clock' "
+                f"WHERE run_id = {q} AND name = {q} AND status = 'open' AND kind <> 'signal' "
+                f"AND due_at IS NOT NULL AND due_at <= {q}",
+                (now, run_id, name, now),
+            )
+
+        self.store.transact(txn)
+        return self.get(run_id, name)
+
+    # -- decisions from any process ----------------------------------------------------
+    def approve(
+        self, run_id: str, name: str, *, actor: str, subject_hash: str, reason: str = ""
+    ) -> Wait:
+        """Approve exactly the subject whose hash is ``subject_hash``; wakes the run.
+
+        Raises:
+            WaitNotFound: No such wait.
+            WaitRefused: Already decided, expired, another subject, self-approval, or
+                not an approval. Nothing was recorded.
+        """
+        return self._decide(run_id, name, WaitStatus.APPROVED, actor, reason, subject_hash)
+
+    def reject(self, run_id: str, name: str, *, actor: str, reason: str = "") -> Wait:
+        """Reject an open approval request; wakes the run.
+
+        Raises:
+            WaitNotFound: No such wait.
+            WaitRefused: Already decided, expired, or not an approval.
+        """
+        return self._decide(run_id, name, WaitStatus.REJECTED, actor, reason, None)
+
+    def signal(self, run_id: str, name: str, payload: Any = None, *, actor: str = "") -> Wait:
+        """Deliver a signal; wakes the run if it waits for it, else keeps it for later.
+
+        Raises:
+            RunNotFound: No such run.
+            WaitRefused: ``name`` is another kind of wait, or the signal was delivered
+                already (``decided``): a signal is delivered once.
+        """
+        self.store.get_run(run_id)  # RunNotFound before anything is written
+        encoded = self.store.codec.encode(payload)
+        q = self.store.param
+        now = self.clock()
+
+        def txn(cur: Any) -> tuple[Any, ...] | None:
+            cur.execute(
+                f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q}", (run_id, name)
+            )
+            row = cur.fetchone()
+            if row is not None and (row[2] != WaitKind.SIGNAL.value or row[3] != "open"):
+                return tuple(row)
+            if row is None:
+                cur.execute(
+                    f"INSERT INTO oo_waits ({_COLS}) VALUES ({q}, {q}, 'signal', 'delivered', "
+                    f"NULL, NULL, NULL, NULL, 0, {q}, {q}, {q}, NULL, {q})",
+                    (run_id, name, encoded, actor, now, now),
+                )
+            else:
+                cur.execute(
+                    f"UPDATE oo_waits SET status = 'delivered', payload = {q}, decided_by = {q}, "
+                    f"decided_at = {q} WHERE run_id = {q} AND name = {q} AND status = 'open'",
+                    (encoded, actor, now, run_id, name),
+                )
+                self._wake(cur, run_id, now)
+            return None
+
+        clash = self.store.transact(txn)
+        if clash is not None:
+            found = self._wait(clash)
+            reason = "kind_mismatch" if found.kind is not WaitKind.SIGNAL else "decided"
+            raise WaitRefused(
+                run_id,
+                name,
+                reason,
+                f"signal {name!r} of run {run_id!r} refused: "
+                + (
+                    f"{name!r} is a {found.kind.value} wait"
+                    if reason == "kind_mismatch"
+                    else f"it was delivered already by {found.decided_by!r}"
+                ),
+            )
+        return self.get(run_id, name)
+
+    def cancel_open(self, run_id: str, *, actor: str, reason: str = "") -> int:
+        """Cancel every open wait of a run (the run is being cancelled). Returns how many."""
+        q = self.store.param
+        now = self.clock()
+
+        def txn(cur: Any) -> int:
+            cur.execute(
+                f"UPDATE oo_waits SET status = 'cancelled', decided_by = {q}, decided_at = {q}, "
+                f"reason = {q} WHERE run_id = {q} AND status = 'open'",
+                (actor, now, reason, run_id),
+            )
+            return int(cur.rowcount or 0)
+
+        return self.store.transact(txn)
+
+    # -- workers -----------------------------------------------------------------------
+    def claim_ready(self, owner: str, ttl_s: float, *, limit: int = 1) -> list[str]:
+        """Lease up to ``limit`` ready runs to ``owner`` for ``ttl_s`` seconds.
+
+        Ready: ``running`` with no live lease (new, woken, or left by a crashed worker),
+        or ``waiting`` with a due timer or an expired approval. On PostgreSQL concurrent
+        workers skip each other's rows (``FOR UPDATE SKIP LOCKED``); on SQLite the write
+        transaction (``BEGIN IMMEDIATE``) serialises them.
+
+        Returns:
+            The leased run ids, oldest update first.
+        """
+        if ttl_s <= 0 or limit < 1:
+            raise ConfigurationError("claim_ready needs ttl_s > 0 and limit >= 1")
+        q = self.store.param
+        now = self.clock()
+        pg = self.store.dialect == "postgresql"
+        lock = " FOR UPDATE SKIP LOCKED" if pg else ""
+        pick = (
+            f"SELECT r.run_id FROM oo_runs r WHERE "
+            f"(r.status = 'running' AND (r.lease_owner IS NULL OR r.lease_expires_at < {q})) "
+            f"OR (r.status = 'waiting' AND (r.lease_owner IS NULL OR r.lease_expires_at < {q}) "
+            f"AND EXISTS (SELECT 1 FROM oo_waits w WHERE w.run_id = r.run_id "
+            f"AND w.status = 'open' AND w.due_at IS NOT NULL AND w.due_at <= {q})) "
+            f"ORDER BY r.updated_at, r.run_id LIMIT {int(limit)}{lock}"
+        )
+
+        def txn(cur: Any) -> list[str]:
+            cur.execute(pick, (now, now, now))
+            ids = [str(r[0]) for r in cur.fetchall()]
+            for rid in ids:
+                cur.execute(
+                    f"UPDATE oo_runs SET lease_owner = {q}, lease_expires_at = {q} "
+                    f"WHERE run_id = {q}",
+                    (owner, now + ttl_s, rid),
+                )
+            return ids
+
+        return self.store.transact(txn)
+
+    # -- internals ---------------------------------------------------------------------
+    def _decide(
+        self,
+        run_id: str,
+        name: str,
+        status: WaitStatus,
+        actor: str,
+        reason: str,
+        digest: str | None,
+    ) -> Wait:
+        if not actor:
+            raise ConfigurationError("an approval or rejection needs the actor's identity")
+        wait = self.get(run_id, name)
+        now = self.clock()
+        refusal = _refusal(wait, status, actor, digest, now)
+        if refusal is not None:
+            raise WaitRefused(run_id, name, refusal[0], refusal[1])
+        q = self.store.param
+
+        def txn(cur: Any) -> bool:
+            # CAS on the open state: two approvers racing, one wins.
+            cur.execute(
+                f"UPDATE oo_waits SET status = {q}, decided_by = {q}, decided_at = {q}, "
+                f"reason = {q} WHERE run_id = {q} AND name = {q} AND status = 'open' "
+                f"AND (due_at IS NULL OR due_at > {q})",
+                (status.value, actor, now, reason, run_id, name, now),
+            )
+            if not cur.rowcount:
+                return False
+            self._wake(cur, run_id, now)
+            return True
+
+        if not self.store.transact(txn):
+            raise WaitRefused(
+                run_id,
+                name,
+                "decided",
+                f"approval {name!r} of run {run_id!r} was decided or expired meanwhile",
+            )
+        return self.get(run_id, name)
+
+    def _wake(self, cur: Any, run_id: str, now: float) -> None:
+        q = self.store.param
+        cur.execute(
+            f"UPDATE oo_runs SET status = 'running', updated_at = {q} "
+            f"WHERE run_id = {q} AND status = 'waiting'",
+            (now, run_id),
+        )
+        if self.store.dialect == "postgresql":
+            cur.execute(f"NOTIFY {NOTIFY_CHANNEL}")
+
+    def _wait(self, row: tuple[Any, ...]) -> Wait:
+        codec = self.store.codec
+        subject = None if row[6] is None else codec.decode(bytes(row[6]))
+        payload = None if row[9] is None else codec.decode(bytes(row[9]))
+        return Wait(
+            run_id=row[0],
+            name=row[1],
+            kind=WaitKind(row[2]),
+            status=WaitStatus(row[3]),
+            due_at=row[4],
+            subject_hash=row[5],
+            subject=subject,
+            requested_by=row[7],
+            allow_self=bool(row[8]),
+            payload=payload,
+            decided_by=row[10],
+            decided_at=row[11],
+            reason=row[12],
+            created_at=row[13],
+        )
+
+
+def _refusal(
+    wait: Wait, status: WaitStatus, actor: str, digest: str | None, now: float
+) -> tuple[str, str] | None:
+    where = f"approval {wait.name!r} of run {wait.run_id!r}"
+    if wait.kind is not WaitKind.APPROVAL:
+        return "not_approval", f"{wait.name!r} of run {wait.run_id!r} is a {wait.kind.value} wait"
+    if wait.status is not WaitStatus.OPEN:
+        by = f" by {wait.decided_by}" if wait.decided_by else ""
+        return "decided", f"{where} is {wait.status.value}{by} already; a decision is final"
+    if wait.due_at is not None and wait.due_at <= now:
+        return "expired", f"{where} expired; the run will take its expiry path"
+    if status is WaitStatus.APPROVED and digest != wait.subject_hash:
+        return (
+            "subject_changed",
+            (
+                f"{where} refused: the hash you approved ({digest}) is not the hash of what "
+                f"was requested ({wait.subject_hash}); review `onceonly runs show "
+                f"{wait.run_id}` again"
+            ),
+        )
+    if status is WaitStatus.APPROVED and actor == wait.requested_by and not wait.allow_self:
+        return "self_approval", f"{where}: {actor!r} requested it and may not approve it"
+    return None
+
+
+def notify_ready(cur: Any, dialect: str) -> None:
+    """Wake idle workers (PostgreSQL ``NOTIFY``; a no-op on SQLite, where they poll)."""
+    if dialect == "postgresql":
+        cur.execute(f"NOTIFY {NOTIFY_CHANNEL}")

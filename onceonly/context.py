@@ -1,0 +1,301 @@
+"""What a step sees: the run's state, its position, transitions, recorded reads, branches."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from adapters import RetryPolicy, guard, step
+from checkpoint import ConfigurationError, Handoff, Store, subject_hash
+from ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
+
+from .flow import End, Fail, Next, WaitFor
+
+__all__ = ["BranchContext", "StepContext"]
+
+T = TypeVar("T")
+
+
+def _not_happened(record: EffectRecord) -> tuple[Evidence, Any]:
+    # A read leaves nothing in the world: an attempt lost in a crash may be asked again.
+    return Evidence.NOT_HAPPENED, None
+
+
+def _read_failed(exc: BaseException) -> OutcomeClass:
+    return OutcomeClass.NOT_SENT
+
+
+_READ_RETRY = RetryPolicy(max_attempts=2, initial_s=0.0, max_s=0.0)
+
+
+@dataclass
+class _Position:
+    run_id: str  # the run
+    key_run: str  # the run whose key space the effects use (a fork shares its origin's)
+    step: str
+    visit: int
+    tenant: str
+
+
+class _Recording:
+    """Recorded reads, shared by steps and branches."""
+
+    ledger: Ledger
+    _pos: _Position
+
+    def recorded(self, effect: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Call an expensive or non-deterministic read once per run position, and replay
+        its recorded result on resume (an LLM call, a screening query, ``time.time()``).
+
+        The result must be encodable by the store's codec. A read that fails is tried
+        once more, then the step fails; a read lost in a crash is asked again (a read
+        changes nothing in the world).
+
+        Args:
+            effect: ``name@version`` of the read.
+            fn: The read.
+            *args: Its positional arguments (fingerprinted: changed arguments on resume
+                are a divergence).
+            **kwargs: Its keyword arguments (fingerprinted).
+        """
+        guarded = guard(
+            self.ledger,
+            effect=effect,
+            provider_class=ProviderClass.QUERYABLE,
+            retry=_READ_RETRY,
+            classify=_read_failed,
+            probe=_not_happened,
+        )(fn)
+        return guarded(*args, **kwargs)
+
+
+class StepContext(_Recording):
+    """The run as one step sees it.
+
+    Attributes:
+        run_id: The run.
+        flow: The flow's name.
+        step: This step's name.
+        visit: How many times the run completed this step before.
+        state: The run's state channels; changes are kept when the step returns.
+        handoff: The run's handoff note; assign a new one with :meth:`note`.
+        ledger: The effects ledger (for guarded adapters).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        ledger: Ledger,
+        flow: str,
+        position: _Position,
+        state: dict[str, Any],
+        handoff: Handoff,
+        waits: Mapping[str, Mapping[str, Any]],
+        started_by: str | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.flow = flow
+        self._pos = position
+        self.run_id = position.run_id
+        self.step = position.step
+        self.visit = position.visit
+        self.state = state
+        self.handoff = handoff
+        self._waits = waits
+        self._started_by = started_by
+        self._clock = clock
+
+    # -- transitions -------------------------------------------------------------------
+    def next(self, step: str) -> Next:
+        """Continue with ``step``."""
+        return Next(step)
+
+    def end(self, result: Any = None) -> End:
+        """Complete the run (``result`` is kept in the state channel ``result``)."""
+        return End(result)
+
+    def fail(self, reason: str) -> Fail:
+        """Fail the run for ``reason``."""
+        return Fail(reason)
+
+    def wait_for_approval(
+        self,
+        name: str,
+        subject: Any,
+        *,
+        then: str,
+        expires_in: float | None = None,
+        requested_by: str | None = None,
+        allow_self: bool = False,
+        on_reject: str | None = None,
+        on_expire: str | None = None,
+    ) -> WaitFor:
+        """Suspend until a person approves exactly ``subject`` (bound by its hash).
+
+        Args:
+            name: Unique within the run.
+            subject: What is to be approved (shown to the approver; hashed).
+            then: The step after approval; it can check it acts on what was approved
+                with :meth:`approved`.
+            expires_in: Seconds until the request expires.
+            requested_by: The requester (default: who started the run); they may not
+                approve unless ``allow_self``.
+            allow_self: The requester may approve their own request.
+            on_reject: Step after a rejection (default: the run fails).
+            on_expire: Step after expiry (default: the run fails).
+        """
+        due = None if expires_in is None else self._clock() + expires_in
+        return WaitFor(
+            name,
+            "approval",
+            then,
+            due_at=due,
+            subject=subject,
+            requested_by=requested_by or self._started_by,
+            allow_self=allow_self,
+            on_reject=on_reject,
+            on_expire=on_expire,
+        )
+
+    def wait_for_signal(self, name: str, *, then: str) -> WaitFor:
+        """Suspend until the signal ``name`` is delivered (or continue at once if it was);
+        read its payload in ``then`` with :meth:`signal`."""
+        return WaitFor(name, "signal", then)
+
+    def sleep(self, name: str, seconds: float, *, then: str) -> WaitFor:
+        """Suspend for ``seconds`` (a timer named ``name``), holding no process."""
+        return WaitFor(name, "timer", then, due_at=self._clock() + seconds)
+
+    # -- what earlier waits brought ----------------------------------------------------
+    def signal(self, name: str) -> Any:
+        """The payload of the delivered signal ``name``.
+
+        Raises:
+            ConfigurationError: The run has not received that signal.
+        """
+        got = self._waits.get(name)
+        if got is None or got.get("kind") != "signal":
+            raise ConfigurationError(f"run {self.run_id!r} has not received signal {name!r}")
+        return got.get("payload")
+
+    def approved(self, name: str, subject: Any = None) -> Mapping[str, Any]:
+        """The approval ``name`` (who, when); with ``subject``, also check that it is
+        exactly what was approved.
+
+        Raises:
+            ConfigurationError: No such approval was granted.
+            ApprovalMismatch: ``subject`` is not what was approved (the state changed
+                after the approval): nothing should be acted on.
+        """
+        from .errors import ApprovalMismatch  # noqa: PLC0415
+
+        got = self._waits.get(name)
+        if got is None or got.get("status") != "approved":
+            raise ConfigurationError(f"run {self.run_id!r} has no granted approval {name!r}")
+        if subject is not None and subject_hash(self.store, subject) != got.get("subject_hash"):
+            raise ApprovalMismatch(self.run_id, name)
+        return got
+
+    # -- notes and branches ------------------------------------------------------------
+    def note(
+        self,
+        *,
+        goal: str | None = None,
+        done: tuple[str, ...] | list[str] | None = None,
+        next: tuple[str, ...] | list[str] | None = None,
+        ruled_out: tuple[str, ...] | list[str] | None = None,
+    ) -> Handoff:
+        """Update the handoff note (kept atomically with this step's checkpoint)."""
+        h = self.handoff
+        self.handoff = Handoff(
+            goal=h.goal if goal is None else goal,
+            done=h.done if done is None else tuple(done),
+            next=h.next if next is None else tuple(next),
+            ruled_out=h.ruled_out if ruled_out is None else tuple(ruled_out),
+        )
+        return self.handoff
+
+    def parallel(
+        self,
+        branches: Mapping[str, Callable[[BranchContext], T]],
+        *,
+        max_workers: int | None = None,
+    ) -> dict[str, T]:
+        """Run branches concurrently (threads); each finished branch's output is recorded
+        as it completes.
+
+        When a branch fails, the others still finish and record; the first error is
+        raised after all have stopped. A resume of the step replays the recorded outputs
+        and runs only the unfinished branches. Effects inside a branch are keyed by the
+        branch's own position (``step/branch``).
+
+        Returns:
+            Each branch's output (codec-encodable), by branch name.
+        """
+        if not branches:
+            return {}
+        memo_step = f"{self._pos.step}#{self._pos.visit}:branches"
+        pos = self._pos
+
+        def run(name: str, fn: Callable[[BranchContext], T]) -> T:
+            bctx = BranchContext(self.ledger, pos, name)
+
+            def body() -> T:
+                with step(
+                    pos.key_run,
+                    f"{pos.step}#{pos.visit}/{name}",
+                    visit=pos.visit,
+                    tenant=pos.tenant,
+                    recorded=_recorded_keys(
+                        self.ledger, pos.key_run, f"{pos.step}#{pos.visit}/{name}"
+                    ),
+                ):
+                    return fn(bctx)
+
+            memo = guard(
+                self.ledger,
+                effect=f"branch:{name}@1",
+                provider_class=ProviderClass.QUERYABLE,
+                retry=RetryPolicy(max_attempts=2, initial_s=0.0, max_s=0.0),
+                classify=_read_failed,
+                probe=_not_happened,
+                key=lambda: f"{pos.tenant}\x1f{pos.key_run}\x1f{memo_step}\x1f{name}",
+            )(body)
+            return memo()
+
+        workers = max_workers or len(branches)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="branch") as pool:
+            futures = {
+                name: pool.submit(contextvars.copy_context().run, run, name, fn)
+                for name, fn in branches.items()
+            }
+            concurrent.futures.wait(futures.values())
+        errors = [f.exception() for f in futures.values() if f.exception() is not None]
+        if errors:
+            raise errors[0]  # type: ignore[misc]
+        return {name: f.result() for name, f in futures.items()}
+
+
+class BranchContext(_Recording):
+    """What a branch of :meth:`StepContext.parallel` sees: its name and the ledger (its
+    guarded effects and recorded reads are keyed by the branch's position)."""
+
+    def __init__(self, ledger: Ledger, position: _Position, name: str) -> None:
+        self.ledger = ledger
+        self._pos = position
+        self.name = name
+        self.run_id = position.run_id
+
+
+def _recorded_keys(ledger: Ledger, key_run: str, step_id: str) -> list[str]:
+    """Key ids an earlier attempt of ``step_id`` recorded, in the order it asked."""
+    rows = [r for r in ledger.effects(run_id=key_run) if r.step_id == step_id]
+    rows.sort(key=lambda r: (r.created_at, r.key_id))
+    return [r.key_id for r in rows]

@@ -1,0 +1,164 @@
+"""Flows: named steps that read and change a run's state and say what comes next.
+
+A step is a function of a :class:`StepContext`. It reads and changes ``ctx.state`` (a
+mapping of channels), performs effects through guarded adapters (their keys come from
+the run's position: run, step, visit, effect, ordinal), and returns a transition:
+``ctx.next("step")``, a wait (``ctx.wait_for_approval``, ``ctx.wait_for_signal``,
+``ctx.sleep``), ``ctx.end()`` or ``ctx.fail(reason)``. Nothing a step does to the state
+is kept unless the step returns: a step that crashes half-way is run again, and its
+recorded effects replay instead of acting again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from checkpoint import ConfigurationError, StateMigrations
+
+if TYPE_CHECKING:
+    from .context import StepContext
+
+__all__ = ["End", "Fail", "Flow", "Next", "Step", "Transition", "WaitFor"]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+
+
+@dataclass(frozen=True)
+class Next:
+    """Run ``step`` next."""
+
+    step: str
+
+
+@dataclass(frozen=True)
+class End:
+    """The run is complete; ``result`` is kept in the state channel ``result``."""
+
+    result: Any = None
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The run failed for ``reason`` (an operator may retry or fork it)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class WaitFor:
+    """Suspend the run until the wait ``name`` settles.
+
+    Attributes:
+        name: Unique within the run.
+        kind: ``approval``, ``signal`` or ``timer``.
+        then: The step after an approval, a signal or a timer.
+        due_at: A timer's due time or an approval's expiry (UNIX seconds).
+        subject: Approvals: exactly what is to be approved.
+        requested_by: Approvals: who asks (may not approve it).
+        allow_self: Approvals: the requester may approve.
+        on_reject: Approvals: the step after a rejection (None: the run fails).
+        on_expire: Approvals: the step after expiry (None: the run fails).
+    """
+
+    name: str
+    kind: str
+    then: str
+    due_at: float | None = None
+    subject: Any = None
+    requested_by: str | None = None
+    allow_self: bool = False
+    on_reject: str | None = None
+    on_expire: str | None = None
+
+
+Transition = Next | End | Fail | WaitFor
+Step = Callable[["StepContext"], Transition]
+
+
+class Flow:
+    """A named set of steps.
+
+    Args:
+        name: The flow's name (runs record it; workers look flows up by it).
+        version: The code version, recorded on the run's checkpoints.
+        state_version: The state-schema version of the state this code writes.
+        migrations: Upgrades of older state, run on resume.
+        tenant: Tenant of the runs' effect keys.
+
+    Example::
+
+        flow = Flow("greet")
+
+        @flow.step(start=True)
+        def hello(ctx):
+            ctx.state["greeted"] = True
+            return ctx.end()
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        version: str = "1",
+        state_version: int = 1,
+        migrations: StateMigrations | None = None,
+        tenant: str = "",
+    ) -> None:
+        if not _NAME.match(name):
+            raise ConfigurationError(f"flow name {name!r}: use 1-100 of A-Z a-z 0-9 _ . -")
+        self.name = name
+        self.version = version
+        self.state_version = migrations.current if migrations is not None else state_version
+        self.migrations = migrations
+        self.tenant = tenant
+        self.steps: dict[str, Step] = {}
+        self.start: str | None = None
+
+    def step(
+        self, fn: Step | None = None, /, *, name: str | None = None, start: bool = False
+    ) -> Any:
+        """Register a step (decorator). The first registered step starts unless another
+        says ``start=True``."""
+
+        def register(f: Step) -> Step:
+            step_name = name or f.__name__
+            if not _NAME.match(step_name) or step_name in self.steps:
+                raise ConfigurationError(
+                    f"step name {step_name!r} of flow {self.name!r} is malformed or taken"
+                )
+            self.steps[step_name] = f
+            if start or self.start is None:
+                self.start = step_name
+            return f
+
+        return register if fn is None else register(fn)
+
+    def get(self, step: str) -> Step:
+        """The step function ``step``.
+
+        Raises:
+            ConfigurationError: The flow has no such step (the code changed under a
+                stored run).
+        """
+        try:
+            return self.steps[step]
+        except KeyError:
+            raise ConfigurationError(
+                f"flow {self.name!r} (version {self.version}) has no step {step!r}; a stored "
+                f"run names it: deploy code that has it, or fork the run"
+            ) from None
+
+
+def flow_map(flows: Iterable[Flow]) -> dict[str, Flow]:
+    """Flows by name; a name given twice is an error."""
+    out: dict[str, Flow] = {}
+    for f in flows:
+        if f.name in out:
+            raise ConfigurationError(f"flow {f.name!r} given twice")
+        if f.start is None:
+            raise ConfigurationError(f"flow {f.name!r} has no steps")
+        out[f.name] = f
+    return out

@@ -1,0 +1,395 @@
+"""The runtime: start runs, run their steps, suspend them on waits, resume them anywhere.
+
+One step at a time: load the run's latest checkpoint (migrating older state), run the
+step inside :func:`adapters.step` so every guarded effect is keyed by the run's position
+(run, ``step#visit``, effect, ordinal), and save the step's changes together with the next
+step, the status and the handoff note in one checkpoint. A crash anywhere before that
+checkpoint leaves the step to run again: its recorded effects replay (they never act
+again), and a step whose effects no longer match what its earlier attempt recorded stops
+with :class:`adapters.StepDiverged` before acting.
+
+Bookkeeping lives in the reserved state channel ``_onceonly``: how often each step
+completed (its *visit*, part of every effect key), the wait the run is in, what settled
+waits brought, the key space (a fork shares its origin's so it never re-fires an effect
+the ledger holds), who started the run, and the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from opentelemetry import trace
+
+from adapters import StepDiverged, step
+from checkpoint import (
+    ConcurrentWrite,
+    ConfigurationError,
+    Handoff,
+    Run,
+    RunExists,
+    RunStatus,
+    Source,
+    Store,
+    StoreError,
+    Wait,
+    WaitKind,
+    Waits,
+    WaitStatus,
+    notify_ready,
+)
+from ledger import EffectInDoubt, KeyReuseError, Ledger, LedgerError, LedgerUnavailable
+
+from .context import StepContext, _Position, _recorded_keys
+from .errors import ApprovalMismatch, FlowNotRegistered
+from .flow import End, Fail, Flow, Next, Transition, WaitFor, flow_map
+
+__all__ = ["META", "Runtime", "default_owner"]
+
+META = "_onceonly"
+"""The reserved state channel holding the runtime's bookkeeping."""
+
+_TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+_tracer = trace.get_tracer("onceonly.runtime")
+
+
+def default_owner() -> str:
+    """A worker identity that is stable across restarts on this host (``host:worker``).
+
+    A restarted worker with the same owner finds its predecessor's unfinished claims in
+    doubt at once instead of waiting for their leases to lapse.
+    """
+    return f"{socket.gethostname()}:{os.environ.get('ONCEONLY_WORKER_NAME', 'worker')}"
+
+
+class Runtime:
+    """Runs flows on a store and its effects ledger.
+
+    Args:
+        store: The checkpoint store.
+        ledger: The effects ledger on the same store.
+        flows: The flows this process can run.
+        owner: This process's worker identity (leases, effect claims).
+        lease_s: How long a run's lease lasts without renewal.
+        clock: Current UNIX time.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        ledger: Ledger,
+        flows: Iterable[Flow],
+        *,
+        owner: str | None = None,
+        lease_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if ledger.store is not store:
+            raise ConfigurationError("the runtime's ledger must sit on the same store")
+        self.store = store
+        self.ledger = ledger
+        self.flows = flow_map(flows)
+        self.owner = owner or default_owner()
+        self.lease_s = lease_s
+        self.clock = clock
+        self.waits = Waits(store, clock=clock)
+
+    # -- starting ----------------------------------------------------------------------
+    def start(
+        self,
+        flow: str,
+        state: Mapping[str, Any] | None = None,
+        *,
+        run_id: str | None = None,
+        started_by: str | None = None,
+        handoff: Handoff | None = None,
+    ) -> str:
+        """Start a run of ``flow`` with its initial ``state``; a worker (or :meth:`drive`)
+        runs it. Idempotent by ``run_id``: starting an existing run returns it unchanged.
+
+        Returns:
+            The run id.
+        """
+        f = self._flow("", flow)
+        initial = dict(state or {})
+        if META in initial:
+            raise ConfigurationError(f"the state channel {META!r} is reserved")
+        try:
+            # Created waiting (nothing wakes it) until its first checkpoint exists, so no
+            # worker can pick up a run without state.
+            rid = self.store.create_run(
+                f.name,
+                run_id=run_id,
+                code_version=f.version,
+                state_version=f.state_version,
+                next_step=f.start,
+                handoff=handoff,
+                status=RunStatus.WAITING,
+            ).run_id
+        except RunExists:
+            assert run_id is not None
+            if self.store.get_run(run_id).head_seq is not None:
+                return run_id
+            rid = run_id
+        meta: dict[str, Any] = {
+            "visits": {},
+            "waiting": None,
+            "waits": {},
+            "key_run": rid,
+            "started_by": started_by,
+            "next": f.start,
+        }
+        initial[META] = meta
+        self.store.save(rid, initial, step="start", next_step=f.start, status=RunStatus.RUNNING)
+        self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
+        return rid
+
+    # -- running -----------------------------------------------------------------------
+    def drive(
+        self,
+        run_id: str,
+        *,
+        max_steps: int | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> Run:
+        """Run steps of ``run_id`` until it waits, ends, fails or ``should_stop()``;
+        holds the run's lease meanwhile.
+
+        Raises:
+            LeaseHeld: Another worker holds the run.
+            LedgerUnavailable / StoreError: The database failed (fail closed: the
+                worker should stop; the next start recovers from disk).
+        """
+        self.store.acquire_lease(run_id, self.owner, self.lease_s)
+        try:
+            self.ledger.prefetch(run_id)
+            done = 0
+            while not should_stop() and (max_steps is None or done < max_steps):
+                if not self.step_once(run_id):
+                    break
+                done += 1
+        finally:
+            # On a database error the lease lapses on its own; the original error matters.
+            with contextlib.suppress(StoreError):
+                self.store.release_lease(run_id, self.owner)
+        return self.store.get_run(run_id)
+
+    def step_once(self, run_id: str) -> bool:
+        """Run the run's next step (or settle its wait). Returns whether more is ready."""
+        run = self.store.get_run(run_id)
+        if run.status in _TERMINAL:
+            return False
+        flow = self._flow(run_id, run.flow)
+        snap = self.store.load(run_id, migrations=flow.migrations)
+        state = snap.state
+        meta = dict(state.pop(META, None) or {})
+        if meta.get("waiting"):
+            return self._settle_wait(run, state, meta)
+        if run.status is not RunStatus.RUNNING or run.next_step is None:
+            return False
+        return self._run_step(run, flow, state, meta)
+
+    def _run_step(self, run: Run, flow: Flow, state: dict[str, Any], meta: dict[str, Any]) -> bool:
+        name = str(run.next_step)
+        fn = flow.get(name)
+        visits = dict(meta.get("visits") or {})
+        visit = int(visits.get(name, 0))
+        key_run = str(meta.get("key_run") or run.run_id)
+        step_id = f"{name}#{visit}"
+        pos = _Position(run.run_id, key_run, name, visit, flow.tenant)
+        ctx = StepContext(
+            store=self.store,
+            ledger=self.ledger,
+            flow=flow.name,
+            position=pos,
+            state=dict(state),
+            handoff=run.handoff,
+            waits=meta.get("waits") or {},
+            started_by=meta.get("started_by"),
+            clock=self.clock,
+        )
+        with _tracer.start_as_current_span(f"step {flow.name}.{name}") as span:
+            span.set_attribute("onceonly.run_id", run.run_id)
+            span.set_attribute("onceonly.step.visit", visit)
+            recorded = _recorded_keys(self.ledger, key_run, step_id)
+            span.set_attribute("onceonly.step.resumed", bool(recorded))
+            try:
+                with step(key_run, step_id, visit=visit, tenant=flow.tenant, recorded=recorded):
+                    transition = fn(ctx)
+            except (LedgerUnavailable, StoreError):
+                raise  # fail closed: nothing more is acted on by this worker
+            except EffectInDoubt as doubt:
+                return self._park_in_doubt(run, state, meta, doubt)
+            except (StepDiverged, KeyReuseError, ApprovalMismatch, LedgerError) as exc:
+                return self._fail(run, state, meta, name, exc)
+            except Exception as exc:  # noqa: BLE001  (a step's own error fails the run)
+                return self._fail(run, state, meta, name, exc)
+        visits[name] = visit + 1
+        meta["visits"] = visits
+        return self._transition(run, flow, name, ctx, meta, transition)
+
+    def _transition(
+        self,
+        run: Run,
+        flow: Flow,
+        name: str,
+        ctx: StepContext,
+        meta: dict[str, Any],
+        t: Transition,
+    ) -> bool:
+        state = dict(ctx.state)
+        if isinstance(t, Next):
+            flow.get(t.step)  # a typo fails here, before the checkpoint
+            meta["next"] = t.step
+            return self._save(run, name, state, meta, t.step, RunStatus.RUNNING, ctx.handoff)
+        if isinstance(t, End):
+            state["result"] = t.result
+            meta["next"] = None
+            self._save(run, name, state, meta, None, RunStatus.COMPLETED, ctx.handoff)
+            return False
+        if isinstance(t, Fail):
+            meta["error"] = {"step": name, "type": "Fail", "message": t.reason}
+            self._save(run, name, state, meta, None, RunStatus.FAILED, ctx.handoff)
+            return False
+        if isinstance(t, WaitFor):
+            flow.get(t.then)
+            for other in (t.on_reject, t.on_expire):
+                if other is not None:
+                    flow.get(other)
+            self.waits.open(
+                run.run_id,
+                t.name,
+                t.kind,
+                due_at=t.due_at,
+                subject=t.subject,
+                requested_by=t.requested_by,
+                allow_self=t.allow_self,
+            )
+            meta["waiting"] = {
+                "name": t.name,
+                "kind": t.kind,
+                "then": t.then,
+                "on_reject": t.on_reject,
+                "on_expire": t.on_expire,
+            }
+            meta["next"] = t.then
+            if not self._save(run, name, state, meta, t.then, RunStatus.WAITING, ctx.handoff):
+                return False
+            # A decision that landed between opening the wait and saving the checkpoint
+            # found the run still running: wake it here.
+            return self.waits.wake_if_settled(run.run_id, t.name)
+        raise ConfigurationError(
+            f"step {name!r} of flow {flow.name!r} returned {t!r}; return ctx.next(...), "
+            f"ctx.end(), ctx.fail(...) or a ctx.wait_for_*/sleep(...) transition"
+        )
+
+    def _settle_wait(self, run: Run, state: dict[str, Any], meta: dict[str, Any]) -> bool:
+        waiting = dict(meta["waiting"])
+        name = str(waiting["name"])
+        wait = self.waits.fire_if_due(run.run_id, name)
+        if not wait.settled:
+            if run.status is RunStatus.RUNNING:  # woken for something else: wait again
+                self.store.update_run(run.run_id, status=RunStatus.WAITING)
+                return self.waits.wake_if_settled(run.run_id, name)
+            return False
+        nxt, status = self._after(wait, waiting)
+        record: dict[str, Any] = {
+            "kind": wait.kind.value,
+            "status": wait.status.value,
+            "by": wait.decided_by,
+            "at": wait.decided_at,
+            "reason": wait.reason,
+        }
+        if wait.kind is WaitKind.SIGNAL:
+            record["payload"] = wait.payload
+        if wait.kind is WaitKind.APPROVAL:
+            record["subject_hash"] = wait.subject_hash
+        waits = dict(meta.get("waits") or {})
+        waits[name] = record
+        meta["waits"] = waits
+        meta["waiting"] = None
+        meta["next"] = nxt
+        if status is RunStatus.FAILED:
+            meta["error"] = {"step": f"wait:{name}", "type": "Wait", "message": wait.status.value}
+        ok = self._save(run, f"wait:{name}", state, meta, nxt, status, run.handoff)
+        return ok and status is RunStatus.RUNNING
+
+    @staticmethod
+    def _after(wait: Wait, waiting: Mapping[str, Any]) -> tuple[str | None, RunStatus]:
+        if wait.status in (WaitStatus.APPROVED, WaitStatus.DELIVERED, WaitStatus.FIRED):
+            return str(waiting["then"]), RunStatus.RUNNING
+        if wait.status is WaitStatus.CANCELLED:
+            return None, RunStatus.CANCELLED
+        other = waiting.get("on_reject" if wait.status is WaitStatus.REJECTED else "on_expire")
+        if other:
+            return str(other), RunStatus.RUNNING
+        return None, RunStatus.FAILED
+
+    def _park_in_doubt(
+        self, run: Run, state: dict[str, Any], meta: dict[str, Any], doubt: EffectInDoubt
+    ) -> bool:
+        """An effect needs a human: the run waits (holding nothing) until an operator
+        resolves it (:meth:`Operator.resolve` signals the run), then re-runs the step."""
+        key_id = str(doubt.key_id)
+        epoch = self.ledger.get(key_id).epoch
+        name = f"effect:{key_id[:16]}:{epoch}"
+        self.waits.open(run.run_id, name, WaitKind.SIGNAL)
+        step_name = str(run.next_step)
+        meta["waiting"] = {
+            "name": name,
+            "kind": "signal",
+            "then": step_name,
+            "effect": doubt.key_id,
+        }
+        meta["next"] = step_name
+        if not self._save(
+            run, f"{step_name}:in-doubt", state, meta, step_name, RunStatus.WAITING, run.handoff
+        ):
+            return False
+        return self.waits.wake_if_settled(run.run_id, name)
+
+    def _fail(
+        self, run: Run, state: dict[str, Any], meta: dict[str, Any], name: str, exc: BaseException
+    ) -> bool:
+        meta["error"] = {"step": name, "type": type(exc).__name__, "message": str(exc)[:2000]}
+        self._save(run, f"{name}:failed", state, meta, run.next_step, RunStatus.FAILED, run.handoff)
+        return False
+
+    def _save(
+        self,
+        run: Run,
+        step_name: str,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        next_step: str | None,
+        status: RunStatus,
+        handoff: Handoff,
+        source: Source = Source.STEP,
+    ) -> bool:
+        state[META] = meta
+        try:
+            self.store.save(
+                run.run_id,
+                state,
+                step=step_name,
+                next_step=next_step,
+                status=status,
+                handoff=handoff,
+                source=source,
+            )
+        except ConcurrentWrite:
+            # An operator (cancel, edit) or another worker advanced the run first; their
+            # checkpoint stands and this step's result is dropped (its effects are in the
+            # ledger and replay if the step runs again).
+            return False
+        return True
+
+    def _flow(self, run_id: str, name: str) -> Flow:
+        try:
+            return self.flows[name]
+        except KeyError:
+            raise FlowNotRegistered(run_id, name) from None
