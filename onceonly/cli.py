@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import click
 from rich.console import Console
@@ -14,6 +15,8 @@ from checkpoint import Codec, OnceOnlyError, RunStatus, Store, migrate
 from checkpoint.errors import ConfigurationError
 from ledger import EffectRecord, EffectStatus, Keyring, Ledger, Secret
 from ledger import migrate as ledger_migrate
+
+from .flow import Flow
 
 DEFAULT_URL = "sqlite:///onceonly.db"
 _URL_HELP = "Database URL (env ONCEONLY_DATABASE_URL; default sqlite:///onceonly.db)."
@@ -300,6 +303,71 @@ def runs_show(run_id: str, url: str | None, as_json: bool) -> None:
         click.echo(json.dumps(doc, ensure_ascii=False))
         return
     Console().print_json(json.dumps(doc, ensure_ascii=False))
+
+
+def load_flows(spec: str) -> list[Flow]:
+    """Flows from ``module:attribute`` (a Flow, an iterable of them, or a callable
+    returning either).
+
+    Raises:
+        ConfigurationError: The spec is malformed or names something else.
+    """
+    import importlib  # noqa: PLC0415
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigurationError(f"--flows {spec!r}: use module:attribute, e.g. myapp.flows:FLOWS")
+    try:
+        obj: Any = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(f"--flows {spec!r}: {exc}") from exc
+    if callable(obj) and not isinstance(obj, Flow):
+        obj = obj()
+    flows = [obj] if isinstance(obj, Flow) else list(obj)
+    if not flows or not all(isinstance(f, Flow) for f in flows):
+        raise ConfigurationError(f"--flows {spec!r} does not name a Flow or Flows")
+    return flows
+
+
+@cli.command("worker")
+@click.option("--url", "--db", "url", default=None, help=_URL_HELP)
+@click.option("--flows", "flows_spec", required=True, help="module:attribute of your Flow(s).")
+@click.option("--owner", default=None, help="Worker identity, stable across restarts.")
+@click.option("--lease-s", type=float, default=30.0, show_default=True, help="Run lease.")
+@click.option("--poll-s", type=float, default=1.0, show_default=True, help="Idle poll.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Runs claimed per round.")
+@click.option("--until-idle", is_flag=True, help="Exit when no run is ready.")
+def worker_cmd(
+    url: str | None,
+    flows_spec: str,
+    owner: str | None,
+    lease_s: float,
+    poll_s: float,
+    batch: int,
+    until_idle: bool,
+) -> None:
+    """Claim ready runs and drive them; SIGTERM drains (the current step finishes)."""
+    import logging  # noqa: PLC0415
+
+    from .runtime import Runtime, default_owner  # noqa: PLC0415
+    from .worker import Worker  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    flows = load_flows(flows_spec)
+    worker_owner = owner or default_owner()
+    with Store.open(_url(url)) as store:
+        ledger = Ledger(store, _keyring(required=True), owner=worker_owner)
+        try:
+            rt = Runtime(store, ledger, flows, owner=worker_owner, lease_s=lease_s)
+            worker = Worker(rt, batch=batch, poll_s=poll_s)
+            worker.install_signal_handlers()
+            stats = worker.run(until_idle=until_idle)
+        finally:
+            ledger.close()
+    click.echo(
+        f"worker {worker_owner} stopped: {stats.runs_driven} run(s) driven, "
+        f"{stats.claim_conflicts} claim conflict(s)"
+    )
 
 
 def main() -> None:

@@ -1,0 +1,284 @@
+"""The escape hatch: what a person does to a run, as a Python API (the CLI calls it).
+
+Every operation is recorded with the operator's identity: decisions on the wait row,
+state changes as checkpoints with source ``operator`` (with the reason in the run's
+operator log), effect resolutions in the ledger's audit chain. None of them ever
+re-fires an effect the ledger holds as committed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from checkpoint import (
+    CheckpointInfo,
+    ConfigurationError,
+    Handoff,
+    RetentionPolicy,
+    Run,
+    RunStatus,
+    Source,
+    Store,
+    Wait,
+    WaitKind,
+    Waits,
+    notify_ready,
+)
+from ledger import EffectRecord, Ledger
+from ledger import RetentionPolicy as EffectRetention
+
+from .errors import RunNotResumable
+from .runtime import META
+
+__all__ = ["GcReport", "Operator", "RunView"]
+
+
+@dataclass(frozen=True)
+class RunView:
+    """Everything an operator needs to see about a run.
+
+    Attributes:
+        run: The run row (status, next step, lease, handoff).
+        state: Its latest state (without the runtime's bookkeeping).
+        meta: The runtime's bookkeeping (visits, waits, errors, operator log).
+        history: Its checkpoints, oldest first.
+        waits: Its waits (open and settled).
+        effects: Its effects in the ledger.
+    """
+
+    run: Run
+    state: dict[str, Any]
+    meta: dict[str, Any]
+    history: list[CheckpointInfo]
+    waits: list[Wait]
+    effects: list[EffectRecord]
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What :meth:`Operator.gc` removed."""
+
+    runs_archived: int
+    runs_deleted: int
+    effects_deleted: int
+    blobs_deleted: int
+
+
+class Operator:
+    """Operator actions on a store's runs.
+
+    Args:
+        store: The checkpoint store.
+        ledger: The effects ledger on it.
+        clock: Current UNIX time.
+    """
+
+    def __init__(
+        self, store: Store, ledger: Ledger, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.waits = Waits(store, clock=clock)
+        self.clock = clock
+
+    def show(self, run_id: str) -> RunView:
+        """The run, its state, history, waits and effects."""
+        run = self.store.get_run(run_id)
+        state: dict[str, Any] = {}
+        meta: dict[str, Any] = {}
+        if run.head_seq is not None:
+            state = self.store.load(run_id).state
+            meta = dict(state.pop(META, None) or {})
+        key_run = str(meta.get("key_run") or run_id)
+        return RunView(
+            run=run,
+            state=state,
+            meta=meta,
+            history=self.store.history(run_id),
+            waits=self.waits.find(run_id=run_id),
+            effects=self.ledger.effects(run_id=key_run),
+        )
+
+    # -- waits -------------------------------------------------------------------------
+    def approve(
+        self, run_id: str, name: str, *, actor: str, subject_hash: str, reason: str = ""
+    ) -> Wait:
+        """Approve exactly what was requested (``subject_hash`` from :meth:`show`)."""
+        return self.waits.approve(
+            run_id, name, actor=actor, subject_hash=subject_hash, reason=reason
+        )
+
+    def reject(self, run_id: str, name: str, *, actor: str, reason: str = "") -> Wait:
+        """Reject an approval request."""
+        return self.waits.reject(run_id, name, actor=actor, reason=reason)
+
+    def signal(self, run_id: str, name: str, payload: Any = None, *, actor: str = "") -> Wait:
+        """Deliver a signal to a run (kept if it does not wait for it yet)."""
+        return self.waits.signal(run_id, name, payload, actor=actor)
+
+    # -- effects -----------------------------------------------------------------------
+    def resolve(
+        self, key_id: str, *, happened: bool, evidence: str, actor: str, result: Any = None
+    ) -> EffectRecord:
+        """Record a person's decision on an in-doubt effect, and wake the run that waits
+        for it (it re-runs its step: the effect replays, or is sent if it did not
+        happen)."""
+        record = self.ledger.resolve(
+            key_id, happened=happened, evidence=evidence, actor=actor, result=result
+        )
+        for wait in self.waits.find(status="open"):
+            if wait.kind is WaitKind.SIGNAL and wait.name.startswith(f"effect:{key_id[:16]}:"):
+                self.waits.signal(wait.run_id, wait.name, {"resolved": key_id}, actor=actor)
+        return record
+
+    # -- state -------------------------------------------------------------------------
+    def edit(
+        self, run_id: str, channel: str, value: Any, *, actor: str, reason: str
+    ) -> CheckpointInfo:
+        """Set a state channel (a new checkpoint, source ``operator``; the reason and the
+        actor are kept in the run's operator log).
+
+        Raises:
+            ConfigurationError: No actor or reason, or the reserved channel.
+            ConcurrentWrite: The run advanced meanwhile; look again and retry.
+        """
+        if not actor.strip() or not reason.strip():
+            raise ConfigurationError("an edit needs the operator's identity and a reason")
+        if channel == META:
+            raise ConfigurationError(f"the channel {META!r} is the runtime's; it is not edited")
+        return self._operator_checkpoint(
+            run_id, "operator:edit", actor, reason, set_channel=(channel, value)
+        )
+
+    def cancel(self, run_id: str, *, actor: str, reason: str = "") -> Run:
+        """Cancel a run: its open waits close and no step runs again. A step running now
+        finishes its current effect, and its checkpoint is refused."""
+        run = self.store.get_run(run_id)
+        if run.status in (RunStatus.COMPLETED, RunStatus.CANCELLED):
+            raise RunNotResumable(run_id, run.status.value, "it cannot be cancelled")
+        self.waits.cancel_open(run_id, actor=actor, reason=reason)
+        self._operator_checkpoint(
+            run_id, "operator:cancel", actor, reason or "cancelled", status=RunStatus.CANCELLED
+        )
+        return self.store.get_run(run_id)
+
+    def retry(self, run_id: str, *, actor: str, reason: str = "") -> Run:
+        """Make a failed run ready again at the step that failed (after a fix)."""
+        run = self.store.get_run(run_id)
+        if run.status is not RunStatus.FAILED:
+            raise RunNotResumable(run_id, run.status.value, "only a failed run is retried")
+        self._operator_checkpoint(
+            run_id, "operator:retry", actor, reason or "retry", status=RunStatus.RUNNING
+        )
+        self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
+        return self.store.get_run(run_id)
+
+    def fork(
+        self,
+        run_id: str,
+        seq: int,
+        *,
+        actor: str,
+        reason: str,
+        new_run_id: str | None = None,
+    ) -> str:
+        """Start a new run from checkpoint ``seq`` of ``run_id``.
+
+        The fork uses its origin's effect keys: a step it repeats with the same arguments
+        replays the origin's recorded effect (it never re-fires one the ledger holds);
+        with other arguments it stops with a divergence, for a person to decide.
+
+        Returns:
+            The new run's id.
+        """
+        if not actor.strip() or not reason.strip():
+            raise ConfigurationError("a fork needs the operator's identity and a reason")
+        origin = self.store.get_run(run_id)
+        snap = self.store.load(run_id, seq)
+        state = snap.state
+        meta = dict(state.pop(META, None) or {})
+        waiting = meta.get("waiting")
+        nxt = meta.get("next")
+        meta["forked_from"] = {"run": run_id, "seq": seq, "by": actor, "reason": reason}
+        meta["key_run"] = meta.get("key_run") or run_id
+        meta["error"] = None
+        new = self.store.create_run(
+            origin.flow,
+            run_id=new_run_id,
+            code_version=origin.code_version,
+            state_version=snap.info.schema_version,
+            next_step=nxt,
+            handoff=origin.handoff,
+            status=RunStatus.WAITING,
+        ).run_id
+        if waiting:  # ask again: a decision of the origin does not carry over
+            name = str(waiting["name"])
+            old = self.waits.get(run_id, name)
+            self.waits.open(
+                new,
+                name,
+                old.kind,
+                due_at=old.due_at if old.kind is WaitKind.TIMER else None,
+                subject=old.subject,
+                requested_by=old.requested_by,
+                allow_self=old.allow_self,
+            )
+        state[META] = meta
+        status = RunStatus.WAITING if waiting else RunStatus.RUNNING
+        self.store.save(
+            new, state, step="operator:fork", next_step=nxt, status=status, source=Source.OPERATOR
+        )
+        if waiting:
+            self.waits.wake_if_settled(new, str(waiting["name"]))
+        self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
+        return new
+
+    def note(self, run_id: str, handoff: Handoff) -> Run:
+        """Replace the run's handoff note."""
+        return self.store.update_run(run_id, handoff=handoff)
+
+    # -- retention ---------------------------------------------------------------------
+    def gc(self, *, older_than_s: float, archive_path: str | None = None) -> GcReport:
+        """Archive (optional) and delete completed, failed and cancelled runs not updated
+        for ``older_than_s``, drop ledger entries older than that and past their dedup
+        windows, and collect unreferenced blobs. Waiting and running runs, open approvals
+        and effects inside their windows are never touched."""
+        report = self.store.apply_retention(
+            RetentionPolicy(older_than_s=older_than_s, archive_path=archive_path)
+        )
+        effects = self.ledger.apply_retention(
+            EffectRetention(
+                older_than_s=older_than_s,
+                archive_path=None if archive_path is None else archive_path + ".effects",
+            )
+        )
+        return GcReport(report.runs_archived, report.runs_deleted, effects, report.blobs_collected)
+
+    # -- internals ---------------------------------------------------------------------
+    def _operator_checkpoint(
+        self,
+        run_id: str,
+        step: str,
+        actor: str,
+        reason: str,
+        *,
+        set_channel: tuple[str, Any] | None = None,
+        status: RunStatus | None = None,
+    ) -> CheckpointInfo:
+        snap = self.store.load(run_id)
+        state = snap.state
+        meta = dict(state.get(META) or {})
+        log = list(meta.get("operator_log") or [])
+        entry: dict[str, Any] = {"at": self.clock(), "by": actor, "action": step, "reason": reason}
+        if set_channel is not None:
+            entry["channel"] = set_channel[0]
+            state[set_channel[0]] = set_channel[1]
+        log.append(entry)
+        meta["operator_log"] = log
+        if status is RunStatus.RUNNING:
+            meta["error"] = None
+        state[META] = meta
+        return self.store.save(run_id, state, step=step, status=status, source=Source.OPERATOR)
