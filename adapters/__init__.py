@@ -18,6 +18,7 @@ from .email import (
     classify_smtp,
 )
 from .guard import Probe, RetryPolicy, guard
+from .langgraph import ToolGuard, ToolPolicy
 
 __all__ = [
     "EmailNotSent",
@@ -31,6 +32,8 @@ __all__ = [
     "SMTPServer",
     "SentEmail",
     "StepDiverged",
+    "ToolGuard",
+    "ToolPolicy",
     "classify_smtp",
     "current_claim",
     "guard",

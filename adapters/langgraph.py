@@ -1,0 +1,391 @@
+"""LangGraph adapter: every tool call a ``ToolNode`` executes happens once.
+
+:class:`ToolGuard` plugs into LangGraph's prebuilt ``ToolNode`` through its hooks::
+
+    guard = ToolGuard(ledger, policies={"book_room": ToolPolicy(provider_class="B", ...)})
+    node = ToolNode([book_room, notify], wrap_tool_call=guard.wrap_tool_call,
+                    awrap_tool_call=guard.awrap_tool_call)
+
+Each tool call goes through :func:`adapters.guard` (the one claim/act/record path): the
+ledger records the intent before the tool runs and the resulting ``ToolMessage`` after.
+When LangGraph re-runs the super-step — ``invoke(None, config)`` after a crash or a failed
+sibling call, in this process or another — the recorded message is returned (with the
+current request's ``tool_call_id``) and the tool does not run again.
+
+**Identity.** A tool call is placed by LangGraph's execution info and its position, never
+by the model's ``tool_call_id`` (a re-planned message gets new ids)::
+
+    run_id  = execution_info.thread_id
+    step_id = f"{execution_info.checkpoint_ns}/tool_calls[{index}]"
+    visit   = 0
+    effect  = policy.effect or f"{tool_name}@1"      (ordinal 0)
+
+``checkpoint_ns`` is ``"<node>:<task_id>"``, prefixed by the parent graph's namespace in a
+subgraph; ``task_id`` is LangGraph's deterministic uuid5 of the checkpoint the super-step
+starts from, the namespace, the step number, the node and its trigger. Resuming the same
+super-step (from the same checkpoint, in any process) yields the same task id; the next
+super-step, a loop back through the node, ``update_state`` and a time-travel fork
+(``invoke(None, past_config)``, for which LangGraph writes a new checkpoint) yield new
+ones, so those act anew. ``run_id``, ``node_attempt`` and
+``node_first_attempt_time`` change on every resume or node retry and are not used, which
+is also why ``visit`` is 0: a node retry is the same visit. ``index`` is the call's
+position among the ``tool_calls`` of the ``AIMessage`` that holds it (its id only finds
+it there). The tool body runs inside that step (:func:`adapters.step`), so guarded
+adapters it calls (``GuardedHTTP``, ``GuardedSMTP``) get stable position keys too. The
+tool name and arguments are fingerprinted: the same position with other arguments is a
+``KeyReuseError``. A graph without a checkpointer has no ``thread_id`` and no resume: the
+guard refuses it (``ConfigurationError``).
+
+**Outcomes.** Per tool, a :class:`ToolPolicy` names the provider class (A with a dedup
+window, B with a probe, C), a ``classify`` function (default: every exception is
+ambiguous) and a retry policy. A tool exception is classified by evidence:
+
+* *not sent* → released and retried with the same key; when attempts run out the
+  exception propagates and the run stops (nothing happened, so a resume tries again);
+* *rejected* → recorded as failed and answered with an error ``ToolMessage``
+  (``status="error"``), now and on every replay: the refusal is definite, the model may
+  re-plan;
+* *ambiguous* → class A re-sends within its window, class B asks its probe; otherwise
+  :class:`~ledger.EffectInDoubt` propagates out of ``invoke``: **the run stops**. The
+  model is never told "error, try again" about a call that may have happened (it would
+  re-plan and act twice); an operator resolves the entry (``onceonly effects resolve``)
+  and the run resumes with ``invoke(None, config)``.
+
+Keep ``ToolNode``'s default ``handle_tool_errors`` (it re-raises everything but argument
+validation errors): with ``handle_tool_errors=True`` the node turns tool exceptions into
+error messages before the guard sees them (they are then recorded as the tool's answer)
+and turns ``EffectInDoubt`` into a message the model may act on. A tool must return
+content (a ``ToolMessage``); a tool returning a ``Command`` cannot be recorded and its
+call ends in doubt. An ``interrupt()`` inside a tool counts as *not sent*: LangGraph
+re-runs the tool body on resume, so act after the interrupt.
+
+LangGraph is imported lazily: this module imports without the ``onceonly[langgraph]``
+extra, and needs it only when a tool call arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from checkpoint.errors import CodecError, ConfigurationError, OnceOnlyError
+from ledger import EffectFailed, Ledger, OutcomeClass, ProviderClass
+
+from .context import step
+from .guard import Probe, RetryPolicy, guard
+
+if TYPE_CHECKING:
+    from langchain_core.messages import ToolMessage
+    from langgraph.prebuilt.tool_node import ToolCallRequest
+    from langgraph.types import Command
+
+__all__ = ["ToolGuard", "ToolPolicy"]
+
+_RECORD = "tool_message"  # the recorded result's tag (a probe's result has none)
+
+
+@dataclass(frozen=True)
+class ToolPolicy:
+    """How one tool's calls are guarded.
+
+    Attributes:
+        provider_class: ``A`` (the tool's provider deduplicates our key for ``window_s``),
+            ``B`` (``probe`` can tell whether a call happened) or ``C`` (neither).
+        window_s: Class A: how long the provider deduplicates our key.
+        probe: Class B: asks the provider about an in-doubt call by its
+            ``provider_key``; a found result becomes the replayed message's content.
+        classify: The outcome of a tool exception by evidence (default: ambiguous).
+        retry: Attempts and pauses (default: a single attempt).
+        effect: The effect's ``name@version`` (default: ``"<tool name>@1"``); bump the
+            version when the tool's meaning changes.
+    """
+
+    provider_class: ProviderClass | str = ProviderClass.OPAQUE
+    window_s: float | None = None
+    probe: Probe | None = None
+    classify: Callable[[BaseException], OutcomeClass] | None = None
+    retry: RetryPolicy | None = None
+    effect: str | None = None
+
+    def __post_init__(self) -> None:
+        pclass = ProviderClass(self.provider_class)
+        object.__setattr__(self, "provider_class", pclass)
+        if pclass is ProviderClass.DEDUPLICATING and (self.window_s is None or self.window_s <= 0):
+            raise ConfigurationError("a class A (deduplicating) tool needs window_s > 0")
+        if pclass is ProviderClass.QUERYABLE and self.probe is None:
+            raise ConfigurationError("a class B (queryable) tool needs probe=")
+        if pclass is not ProviderClass.QUERYABLE and self.probe is not None:
+            raise ConfigurationError("probe= is only used by class B tools")
+
+
+class _Unrecordable(TypeError):
+    """The tool acted, but its output cannot be recorded (not a ``ToolMessage`` of
+    codec-encodable content): the call is in doubt."""
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One tool call, placed: its guard options, position and arguments."""
+
+    tool: str
+    args: Any
+    policy: ToolPolicy
+    classify: Callable[[BaseException], OutcomeClass]
+    run_id: str
+    step_id: str
+    task: tuple[str, str]  # (thread, checkpoint_ns): the ToolNode task it runs in
+
+
+class ToolGuard:
+    """Guards the tool calls of a LangGraph ``ToolNode`` (see the module docstring).
+
+    Pass :meth:`wrap_tool_call` and :meth:`awrap_tool_call` to ``ToolNode``; one guard
+    may serve several nodes and graphs.
+
+    Args:
+        ledger: The effects ledger.
+        policies: Per tool name.
+        default: The policy of every other tool (default: class C, every exception
+            ambiguous, one attempt).
+        tenant: The tenant of every key.
+        messages_key: The state key of the message list (as given to ``ToolNode``).
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        policies: Mapping[str, ToolPolicy] | None = None,
+        default: ToolPolicy | None = None,
+        tenant: str = "",
+        messages_key: str = "messages",
+    ) -> None:
+        self.ledger = ledger
+        self.policies = dict(policies or {})
+        self.default = default or ToolPolicy()
+        self.tenant = tenant
+        self.messages_key = messages_key
+        self._peers: dict[tuple[str, str], set[asyncio.Event]] = {}  # per running task
+
+    def policy(self, tool: str) -> ToolPolicy:
+        """The policy of ``tool``."""
+        return self.policies.get(tool, self.default)
+
+    def position(self, request: ToolCallRequest) -> tuple[str, str]:
+        """The ``(run_id, step_id)`` a tool call's key is derived from.
+
+        Raises:
+            ConfigurationError: No thread (a graph without a checkpointer, or a
+                ``ToolNode`` called outside a graph), or the call is not found exactly
+                once in an ``AIMessage`` of the state.
+        """
+        runtime = getattr(request, "runtime", None)
+        info = getattr(runtime, "execution_info", None)
+        if info is None or not info.thread_id:
+            raise ConfigurationError(
+                "a guarded ToolNode must run in a graph compiled with a checkpointer and "
+                "invoked with a thread_id: without them there is no resume to protect and "
+                "no stable key"
+            )
+        index = _index(request, self.messages_key)
+        return info.thread_id, f"{info.checkpoint_ns}/tool_calls[{index}]"
+
+    def wrap_tool_call(
+        self,
+        request: ToolCallRequest,
+        execute: Callable[[ToolCallRequest], ToolMessage | Command[Any]],
+    ) -> ToolMessage | Command[Any]:
+        """``ToolNode(wrap_tool_call=...)``: run the call once, or replay its message.
+
+        Raises:
+            ledger.EffectInDoubt: The call may have happened and no evidence settles it.
+            ledger.KeyReuseError: This position was recorded with other arguments.
+            Exception: The tool's own exception when it was not sent and attempts ran out.
+        """
+        call = self._place(request)
+        codec = self.ledger.codec
+
+        def act(tool: str, args: Any) -> dict[str, Any]:
+            return _record(execute(request), codec)
+
+        guarded = self._guard(call)(act)
+        with step(call.run_id, call.step_id, tenant=self.tenant):
+            try:
+                return _message(guarded(call.tool, call.args), request)
+            except Exception as exc:
+                answer = _answer(call, request, exc)
+                if answer is None:
+                    raise
+                return answer
+
+    async def awrap_tool_call(
+        self,
+        request: ToolCallRequest,
+        execute: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
+    ) -> ToolMessage | Command[Any]:
+        """``ToolNode(awrap_tool_call=...)``: the async twin of :meth:`wrap_tool_call`."""
+        call = self._place(request)
+        codec = self.ledger.codec
+
+        async def act(tool: str, args: Any) -> dict[str, Any]:
+            return _record(await execute(request), codec)
+
+        guarded = self._guard(call)(act)
+        # ToolNode gathers a message's calls: the first exception out of gather ends the
+        # run and cancels the siblings mid-call, which would leave them in doubt. A
+        # failing call waits until its siblings are recorded, then raises.
+        peers = self._peers.setdefault(call.task, set())
+        done = asyncio.Event()
+        peers.add(done)
+        try:
+            with step(call.run_id, call.step_id, tenant=self.tenant):
+                try:
+                    return _message(await guarded(call.tool, call.args), request)
+                except Exception as exc:
+                    answer = _answer(call, request, exc)
+                    if answer is None:
+                        done.set()
+                        await asyncio.gather(*(peer.wait() for peer in list(peers)))
+                        raise
+                    return answer
+        finally:
+            done.set()
+            peers.discard(done)
+            if not peers:
+                self._peers.pop(call.task, None)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _place(self, request: ToolCallRequest) -> _Call:
+        tool = request.tool_call["name"]
+        policy = self.policy(tool)
+        run_id, step_id = self.position(request)
+        task = (run_id, step_id.rpartition("/")[0])
+        return _Call(
+            tool, request.tool_call["args"], policy, _classifier(policy), run_id, step_id, task
+        )
+
+    def _guard(self, call: _Call) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        policy = call.policy
+        return guard(
+            self.ledger,
+            effect=policy.effect or f"{call.tool}@1",
+            provider_class=policy.provider_class,
+            window_s=policy.window_s,
+            retry=policy.retry,
+            classify=call.classify,
+            probe=policy.probe,
+        )
+
+
+def _answer(call: _Call, request: ToolCallRequest, exc: Exception) -> ToolMessage | None:
+    """The message for a definite refusal (recorded or replayed); None: re-raise."""
+    if isinstance(exc, EffectFailed):
+        return _refused(request, exc.error_type, exc.message)
+    if isinstance(exc, OnceOnlyError):
+        return None  # in doubt, diverged, misconfigured: the run stops
+    if call.classify(exc) is OutcomeClass.REJECTED:
+        return _refused(request, type(exc).__name__, str(exc))
+    return None
+
+
+def _classifier(policy: ToolPolicy) -> Callable[[BaseException], OutcomeClass]:
+    """The policy's classification, with the adapter's own cases first."""
+    from langgraph.errors import GraphBubbleUp  # noqa: PLC0415  (optional dependency)
+
+    user = policy.classify
+
+    def classify(exc: BaseException) -> OutcomeClass:
+        if isinstance(exc, _Unrecordable):
+            return OutcomeClass.AMBIGUOUS  # the tool acted; only its answer is lost
+        if isinstance(exc, GraphBubbleUp):
+            return OutcomeClass.NOT_SENT  # an interrupt: LangGraph re-runs the body
+        return OutcomeClass.AMBIGUOUS if user is None else user(exc)
+
+    return classify
+
+
+def _index(request: ToolCallRequest, messages_key: str) -> int:
+    """The call's position among the tool calls of the ``AIMessage`` that holds it."""
+    from langchain_core.messages import AIMessage  # noqa: PLC0415  (optional dependency)
+
+    call_id = request.tool_call.get("id")
+    state = request.state
+    if isinstance(state, list):
+        messages: Any = state
+    elif isinstance(state, Mapping):
+        messages = state.get(messages_key, [])
+    else:
+        messages = getattr(state, messages_key, [])
+    if call_id:
+        for message in reversed(messages):
+            if not isinstance(message, AIMessage):
+                continue
+            ids = [c.get("id") for c in message.tool_calls]
+            if call_id in ids:
+                if ids.count(call_id) > 1:
+                    raise ConfigurationError(
+                        f"tool call id {call_id!r} occurs twice in one AIMessage: the calls "
+                        "cannot be told apart, so neither is run"
+                    )
+                return ids.index(call_id)
+    raise ConfigurationError(
+        f"cannot place tool call {call_id!r} of {request.tool_call['name']}: it is not in an "
+        f"AIMessage of the state's {messages_key!r} (a ToolNode fed bare tool calls has no "
+        "position to key them by)"
+    )
+
+
+def _record(output: Any, codec: Any) -> dict[str, Any]:
+    """The recorded form of a tool's ``ToolMessage`` (content, status, artifact)."""
+    from langchain_core.messages import ToolMessage  # noqa: PLC0415  (optional dependency)
+
+    if not isinstance(output, ToolMessage):
+        raise _Unrecordable(
+            f"the tool returned {type(output).__name__}, not a ToolMessage: a guarded tool "
+            "must return content (not a Command) so its answer can be replayed"
+        )
+    body: dict[str, Any] = {"content": output.content, "status": output.status}
+    if output.artifact is not None:
+        body["artifact"] = output.artifact
+    try:
+        codec.encode(body)
+    except CodecError as exc:
+        raise _Unrecordable(f"the tool's answer cannot be recorded: {exc}") from exc
+    return {_RECORD: body}
+
+
+def _message(recorded: Any, request: ToolCallRequest) -> ToolMessage:
+    """The ``ToolMessage`` for the current request from a recorded (or probed) result."""
+    from langchain_core.messages import ToolMessage  # noqa: PLC0415  (optional dependency)
+
+    name = request.tool_call["name"]
+    call_id = request.tool_call["id"] or ""
+    if isinstance(recorded, dict) and set(recorded) == {_RECORD}:
+        body = recorded[_RECORD]
+        return ToolMessage(
+            content=body["content"],
+            status=body["status"],
+            artifact=body.get("artifact"),
+            name=name,
+            tool_call_id=call_id,
+        )
+    # A probe's or an operator's result: the provider's answer becomes the content.
+    content = recorded if isinstance(recorded, str) else json.dumps(recorded, sort_keys=True)
+    return ToolMessage(content=content, name=name, tool_call_id=call_id)
+
+
+def _refused(request: ToolCallRequest, error_type: str, message: str) -> ToolMessage:
+    """The error message of a definite refusal (the call did not happen)."""
+    from langchain_core.messages import ToolMessage  # noqa: PLC0415  (optional dependency)
+
+    return ToolMessage(
+        content=f"Error: {request.tool_call['name']} was refused ({error_type}: {message}); "
+        "it did not happen.",
+        name=request.tool_call["name"],
+        tool_call_id=request.tool_call["id"] or "",
+        status="error",
+    )
