@@ -389,7 +389,9 @@ class Waits:
         """Lease up to ``limit`` ready runs to ``owner`` for ``ttl_s`` seconds.
 
         Ready: ``running`` with no live lease (new, woken, or left by a crashed worker),
-        or ``waiting`` with a due timer or an expired approval. On PostgreSQL concurrent
+        or ``waiting`` with a due timer or an expired approval. A lease held by ``owner``
+        itself counts as free (a restarted worker takes its own runs back at once; two
+        live workers must never share an owner name). On PostgreSQL concurrent
         workers skip each other's rows (``FOR UPDATE SKIP LOCKED``); on SQLite the write
         transaction (``BEGIN IMMEDIATE``) serialises them.
 
@@ -402,17 +404,20 @@ class Waits:
         now = self.clock()
         pg = self.store.dialect == "postgresql"
         lock = " FOR UPDATE SKIP LOCKED" if pg else ""
+        # A lease is free when nobody holds it, it lapsed, or it is our own: a restarted
+        # worker with a stable owner name takes its dead predecessor's runs back at once.
+        free = f"(r.lease_owner IS NULL OR r.lease_expires_at < {q} OR r.lease_owner = {q})"
         pick = (
             f"SELECT r.run_id FROM oo_runs r WHERE "
-            f"(r.status = 'running' AND (r.lease_owner IS NULL OR r.lease_expires_at < {q})) "
-            f"OR (r.status = 'waiting' AND (r.lease_owner IS NULL OR r.lease_expires_at < {q}) "
+            f"(r.status = 'running' AND {free}) "
+            f"OR (r.status = 'waiting' AND {free} "
             f"AND EXISTS (SELECT 1 FROM oo_waits w WHERE w.run_id = r.run_id "
             f"AND w.status = 'open' AND w.due_at IS NOT NULL AND w.due_at <= {q})) "
             f"ORDER BY r.updated_at, r.run_id LIMIT {int(limit)}{lock}"
         )
 
         def txn(cur: Any) -> list[str]:
-            cur.execute(pick, (now, now, now))
+            cur.execute(pick, (now, owner, now, owner, now))
             ids = [str(r[0]) for r in cur.fetchall()]
             for rid in ids:
                 cur.execute(

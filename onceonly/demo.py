@@ -1,183 +1,342 @@
-"""The demo: a small vendor-onboarding flow, killed mid-run, resumed from its checkpoint.
+"""``onceonly demo``: vendor onboarding, with a worker killed mid-run and resumed.
 
-The flow runs in a child process that SIGKILLs itself part-way through (no clean-up, no
-flush, no atexit: what a deploy or an OOM kill does). A fresh process then opens the same
-store, loads the latest checkpoint and continues at the run's next step. Every step
-appends a line to a work log outside the store, so the demo can show from an independent
-record that no completed step ran twice.
+The demo starts real local servers (SMTP + IMAP, a sanctions-screening API, an ERP API;
+:mod:`onceonly.demo_services`), starts a run of :mod:`onceonly.demo_flow` on an embedded
+SQLite store, and runs it with ``onceonly worker`` processes:
+
+* default: the worker e-mails the supplier and waits; the supplier's documents arrive (a
+  signal); the worker extracts and screens them and waits for a compliance officer. Then a
+  deploy: the worker is SIGKILLed while the run waits. The officer approves from this
+  process; a fresh worker resumes and creates the vendor record.
+* ``--crash-at random``: workers are SIGKILLed at random instructions of our code
+  (counted by a line tracer), over and over, until the run completes.
+
+It ends with the ledger and each server's raw delivery counts: one e-mail, one screening,
+one vendor record.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from checkpoint import Handoff, RunStatus, Store
+from rich.console import Console
+from rich.table import Table
 
-FLOW = "vendor-onboarding"
+from checkpoint import RunStatus, Store
+from ledger import Keyring, Ledger, Secret
+
+from .demo_flow import FLOWS
+from .demo_services import HTTPService, MailService
+from .operator import Operator
+from .runtime import META, Runtime
+
+__all__ = ["main"]
+
 RUN_ID = "vendor-acme-001"
-
-State = dict[str, Any]
-
-
-def _collect_documents(state: State) -> State:
-    state["documents"] = ["w9.pdf", "bank-letter.pdf", "incorporation.pdf"]
-    return state
-
-
-def _extract_details(state: State) -> State:
-    state["vendor"] = {"name": "ACME Tooling Ltd", "tax_id": "XX-1234567", "iban": "GB00TEST"}
-    return state
+_CRASH_ROUNDS = 12  # workers SIGKILLed at a random line, one after another
+_CRASH_SPAN = 4000  # the kill lands within the first this-many lines a worker executes
+_PACKAGES = ("checkpoint", "ledger", "adapters", "onceonly")
+_DOCUMENTS = (
+    "Certificate of incorporation: ACME Tooling Ltd\n"
+    "Tax ID: GB-123456789\n"
+    "IBAN: GB33 BUKB 2020 1555 5555 55\n"
+)
 
 
-def _screen_sanctions(state: State) -> State:
-    state["screening"] = {"list": "demo-sanctions-2026-11", "hits": 0, "result": "clear"}
-    return state
-
-
-def _record_approval(state: State) -> State:
-    state["approval"] = {"by": "compliance@example.com", "decision": "approved"}
-    return state
-
-
-def _create_vendor_record(state: State) -> State:
-    state["vendor_record"] = {"id": "V-000173", "status": "active"}
-    return state
-
-
-STEPS: list[tuple[str, Callable[[State], State]]] = [
-    ("collect_documents", _collect_documents),
-    ("extract_details", _extract_details),
-    ("screen_sanctions", _screen_sanctions),
-    ("record_approval", _record_approval),
-    ("create_vendor_record", _create_vendor_record),
-]
-_NAMES = [name for name, _ in STEPS]
-
-
-def run_flow(db_url: str, work_log: Path, kill_after: int | None) -> None:
-    """Run (or resume) the demo run until done, or SIGKILL this process after
-    ``kill_after`` steps have been checkpointed by this process."""
-    with Store.open(db_url) as store:
-        try:
-            run = store.get_run(RUN_ID)
-        except Exception:  # noqa: BLE001  (first start: the run does not exist yet)
-            run = store.create_run(
-                FLOW,
-                run_id=RUN_ID,
-                next_step=_NAMES[0],
-                handoff=Handoff(goal="onboard ACME Tooling as an active vendor"),
-            )
-            store.save(RUN_ID, {"steps_done": []}, step="start", next_step=_NAMES[0])
-        state = store.load(RUN_ID).state
-        done_here = 0
-        while run.next_step is not None:
-            idx = _NAMES.index(run.next_step)
-            name, fn = STEPS[idx]
-            with work_log.open("a") as fh:  # the independent record of work done
-                fh.write(f"{os.getpid()} {name}\n")
-            state = fn(state)
-            state["steps_done"] = [*state["steps_done"], name]
-            nxt = _NAMES[idx + 1] if idx + 1 < len(_NAMES) else None
-            store.save(
-                RUN_ID,
-                state,
-                step=name,
-                next_step=nxt,
-                status=RunStatus.COMPLETED if nxt is None else RunStatus.RUNNING,
-            )
-            store.update_run(
-                RUN_ID,
-                handoff=Handoff(
-                    goal="onboard ACME Tooling as an active vendor",
-                    done=tuple(state["steps_done"]),
-                    next=() if nxt is None else (nxt,),
-                ),
-            )
-            run = store.get_run(RUN_ID)
-            done_here += 1
-            if kill_after is not None and done_here >= kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-
-def main(db: str | None = None) -> int:
-    """Run the demo and print what happened. Returns a process exit code."""
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
-
-    console = Console()
-    workdir = Path(tempfile.mkdtemp(prefix="onceonly-demo-"))
-    db_path = Path(db) if db else workdir / "demo.db"
+def main(db: str | None = None, crash_at: str = "approval", seed: int | None = None) -> int:
+    """Run the demo; returns the process exit code (0: every effect happened once)."""
+    console = Console(highlight=False)
+    work = Path(tempfile.mkdtemp(prefix="onceonly-demo-"))
+    db_path = Path(db) if db else work / "onceonly.db"
     if db_path.exists():
         console.print(f"[red]{db_path} exists; the demo wants a fresh database[/red]")
         return 2
     url = f"sqlite:///{db_path}"
-    work_log = workdir / "work.log"
-    console.rule("[bold]onceonly demo: resume, not restart")
-    console.print(f"store: {url}")
-
-    def child(kill_after: int | None) -> int:
-        cmd = [sys.executable, "-m", "onceonly.demo", url, str(work_log)]
-        if kill_after is not None:
-            cmd.append(str(kill_after))
-        return subprocess.run(cmd, check=False).returncode
-
-    console.print("\n[bold]1.[/bold] a worker starts the run and is SIGKILLed after 3 steps")
-    rc = child(3)
-    console.print(
-        f"   worker exit status: {rc} ({'killed by SIGKILL' if rc == -9 else 'unexpected'})"
-    )
-
-    with Store.open(url) as store:
-        run = store.get_run(RUN_ID)
-        snap = store.load(RUN_ID)
-        console.print(
-            f"   saved: checkpoint {snap.info.seq} after step [cyan]{snap.info.step}[/cyan]; "
-            f"next step [cyan]{run.next_step}[/cyan]; status {run.status.value}"
+    secret = os.urandom(32)
+    env = {**os.environ, "ONCEONLY_SECRETS": f"demo:{secret.hex()}"}
+    rng = random.Random(seed)  # noqa: S311  (where to crash, not a secret)
+    mail = MailService().start()
+    screening = HTTPService(
+        "screening",
+        "screenings",
+        lambda body, n: {"id": f"S-{n:05d}", "hit": False, "list": "demo-sanctions-2026-11"},
+    ).start()
+    erp = HTTPService(
+        "erp", "vendors", lambda body, n: {"id": f"V-{n:06d}", "name": body["name"]}
+    ).start()
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        store = Store.open(url)
+        ledger = Ledger(store, Keyring([Secret("demo", secret)]), owner="demo-operator")
+        rt = Runtime(store, ledger, FLOWS, owner="demo-operator")
+        ops = Operator(store, ledger)
+        services = {
+            "smtp_port": mail.smtp_port,
+            "imap_port": mail.imap_port,
+            "imap_user": mail.user,
+            "imap_password": mail.password,
+            "screening": screening.url,
+            "erp": erp.url,
+        }
+        supplier = {"name": "ACME Tooling Ltd", "email": "accounts@acme.example"}
+        rt.start(
+            "vendor-onboarding",
+            {"supplier": supplier, "services": services},
+            run_id=RUN_ID,
+            started_by="onboarding-agent",
         )
-        console.print(f"   handoff: done={list(run.handoff.done)} next={list(run.handoff.next)}")
+        console.print(f"[bold]run {RUN_ID}[/bold] started on {url}")
 
-    console.print("\n[bold]2.[/bold] a fresh worker process resumes from the checkpoint")
-    rc2 = child(None)
-    console.print(f"   worker exit status: {rc2}")
+        def spawn(crash_after: int | None = None) -> subprocess.Popen[bytes]:
+            log = open(work / f"worker-{len(workers) + 1}.log", "wb")  # noqa: SIM115
+            cmd = [sys.executable, "-m", "onceonly.demo", "--worker", url]
+            if crash_after is not None:
+                cmd += ["--crash-after", str(crash_after), str(work / "crash.txt")]
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            workers.append(proc)
+            return proc
 
-    with Store.open(url) as store:
-        run = store.get_run(RUN_ID)
-        snap = store.load(RUN_ID)
-        table = Table(title=f"history of run {RUN_ID}")
-        for col in ("seq", "step", "kind", "source"):
-            table.add_column(col)
-        for info in store.history(RUN_ID):
-            table.add_row(
-                str(info.seq), info.step, "keyframe" if info.keyframe else "delta", info.source
+        def waiting_on(name: str) -> Callable[[], bool]:
+            def check() -> bool:
+                run = store.get_run(RUN_ID)
+                meta = (store.load(RUN_ID).state.get(META) or {}) if run.head_seq else {}
+                waiting = meta.get("waiting") or {}
+                return run.status is RunStatus.WAITING and waiting.get("name") == name
+
+            return check
+
+        def completed() -> bool:
+            return store.get_run(RUN_ID).status is RunStatus.COMPLETED
+
+        documents = {"from": supplier["email"], "text": _DOCUMENTS}
+        if crash_at == "random":
+            kills = _random_crashes(
+                console, rng, spawn, work, store, ledger, ops, documents, completed
             )
-        console.print(table)
-        console.print(f"   final status: [bold]{run.status.value}[/bold]")
-        console.print(f"   vendor record: {snap.state.get('vendor_record')}")
+        else:
+            kills = _deploy_during_approval(console, spawn, store, ops, documents, waiting_on)
+        ok = _wait(completed, 60, workers)
+        for proc in workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # drain
+        for proc in workers:
+            proc.wait(30)
+        return _report(console, store, ledger, mail, screening, erp, ok, kills)
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        erp.stop()
+        screening.stop()
+        mail.stop()
 
-    lines = work_log.read_text().splitlines()
-    ran = [line.split()[1] for line in lines]
-    pids = {line.split()[0] for line in lines}
-    dupes = sorted({s for s in ran if ran.count(s) > 1})
-    console.print(
-        f"\n   work log: {len(ran)} step executions in {len(pids)} processes; "
-        f"steps run twice: {dupes or 'none'}"
+
+def _deploy_during_approval(
+    console: Console,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    store: Store,
+    ops: Operator,
+    documents: dict[str, str],
+    waiting_on: Callable[[str], Callable[[], bool]],
+) -> int:
+    first = spawn()
+    console.print(f"worker 1 (pid {first.pid}) e-mails the supplier and waits for documents")
+    if not _wait(waiting_on("documents"), 60, [first]):
+        raise SystemExit("the run did not reach the documents wait; see the worker log")
+    ops.signal(RUN_ID, "documents", documents, actor="supplier@acme.example")
+    console.print("the supplier's documents arrive (signal [italic]documents[/italic])")
+    if not _wait(waiting_on("compliance"), 60, [first]):
+        raise SystemExit("the run did not reach the approval; see the worker log")
+    run = store.get_run(RUN_ID)
+    console.print(f"waiting for compliance; handoff note: done {list(run.handoff.done)}")
+    first.kill()
+    first.wait(10)
+    console.print("[yellow]deploy: worker 1 SIGKILLed while the run waits[/yellow]")
+    wait = ops.waits.get(RUN_ID, "compliance")
+    ops.approve(
+        RUN_ID,
+        "compliance",
+        actor="compliance-officer@demo.example",
+        subject_hash=str(wait.subject_hash),
     )
-    ok = rc == -signal.SIGKILL and rc2 == 0 and not dupes and ran == _NAMES
-    ok = ok and run.status is RunStatus.COMPLETED
+    console.print(f"compliance officer approves subject {str(wait.subject_hash)[:12]}…")
+    second = spawn()
+    console.print(f"worker 2 (pid {second.pid}) resumes the run")
+    return 1
+
+
+def _random_crashes(
+    console: Console,
+    rng: random.Random,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    work: Path,
+    store: Store,
+    ledger: Ledger,
+    ops: Operator,
+    documents: dict[str, str],
+    completed: Callable[[], bool],
+) -> int:
+    kills = 0
+    signalled = approved = False
+    for round_ in range(_CRASH_ROUNDS + 1):
+        if completed():
+            break
+        # The last worker is not crashed: the run must complete whatever came before.
+        crash = rng.randint(1, _CRASH_SPAN) if round_ < _CRASH_ROUNDS else None
+        proc = spawn(crash_after=crash)
+        while proc.poll() is None and not completed():
+            run = store.get_run(RUN_ID)
+            if run.status is RunStatus.WAITING:
+                waits = {w.name: w for w in ops.waits.find(run_id=RUN_ID)}
+                if not signalled and "documents" in waits:
+                    ops.signal(RUN_ID, "documents", documents, actor="supplier@acme.example")
+                    signalled = True
+                if not approved and "compliance" in waits:
+                    ops.approve(
+                        RUN_ID,
+                        "compliance",
+                        actor="compliance-officer@demo.example",
+                        subject_hash=str(waits["compliance"].subject_hash),
+                    )
+                    approved = True
+            time.sleep(0.05)
+        if proc.poll() == -signal.SIGKILL:
+            kills += 1
+            where = (work / "crash.txt").read_text().strip()
+            console.print(f"[yellow]kill {kills}: worker SIGKILLed at {where}[/yellow]")
+    return kills
+
+
+def _report(
+    console: Console,
+    store: Store,
+    ledger: Ledger,
+    mail: MailService,
+    screening: HTTPService,
+    erp: HTTPService,
+    ok: bool,
+    kills: int,
+) -> int:
+    run = store.get_run(RUN_ID)
+    table = Table(title="effects ledger")
+    for col in ("effect", "status", "provider class", "attempts", "epoch"):
+        table.add_column(col)
+    for rec in sorted(ledger.effects(run_id=RUN_ID), key=lambda r: r.created_at):
+        table.add_row(
+            rec.effect,
+            rec.status.value,
+            rec.provider_class.value,
+            str(rec.attempts),
+            str(rec.epoch),
+        )
+    console.print(table)
+    counts = {
+        "e-mails at the SMTP server": mail.deliveries(),
+        "screening requests": screening.deliveries,
+        "vendor-record requests": erp.deliveries,
+    }
+    raw = Table(title="raw deliveries counted by the servers")
+    raw.add_column("server")
+    raw.add_column("count")
+    for name, n in counts.items():
+        raw.add_row(name, str(n))
+    console.print(raw)
+    audit = ledger.verify()
+    result: Any = (store.load(RUN_ID).state.get("result") or {}) if ok else None
+    good = ok and all(n == 1 for n in counts.values()) and audit.ok
     console.print(
-        "[bold green]OK: resumed, not restarted[/bold green]"
-        if ok
-        else "[bold red]FAILED[/bold red]"
+        f"run {RUN_ID}: {run.status.value}; worker kills: {kills}; audit chain "
+        f"{'verified' if audit.ok else 'BROKEN'}; vendor {result}"
     )
-    return 0 if ok else 1
+    if good:
+        console.print("[green]OK: resumed, not restarted; every effect happened once[/green]")
+        return 0
+    console.print("[red]FAILED: see the tables above[/red]")
+    return 1
+
+
+def _wait(pred: Callable[[], bool], timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> bool:
+    """Poll ``pred`` until it holds, ``timeout_s`` passes or every worker has exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        if procs and all(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    return pred()
+
+
+# -- the worker processes ---------------------------------------------------------------
+
+
+def _install_crash(after: int, where_file: str) -> None:
+    """SIGKILL this process at the ``after``-th line executed in onceonly's own code once
+    the worker drives a run (imports and idle polling are not counted)."""
+    roots = tuple(str(Path(__import__(p).__file__ or "").parent) + os.sep for p in _PACKAGES)
+    count = 0
+    armed = False
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count, armed
+        code = frame.f_code
+        if not code.co_filename.startswith(roots):
+            return None
+        if not armed:
+            if event == "call" and code.co_name == "drive":
+                armed = True
+            else:
+                return tracer
+        if event == "line":
+            count += 1
+            if count >= after:
+                where = f"{Path(code.co_filename).name}:{frame.f_lineno} ({code.co_name})"
+                Path(where_file).write_text(where + "\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+        return tracer
+
+    import threading  # noqa: PLC0415
+
+    threading.settrace(tracer)
+    sys.settrace(tracer)
+
+
+def _worker(argv: list[str]) -> int:
+    url = argv[0]
+    if len(argv) >= 3 and argv[1] == "--crash-after":
+        _install_crash(int(argv[2]), argv[3])
+    from .cli import cli  # noqa: PLC0415
+
+    cli.main(
+        [
+            "worker",
+            "--url",
+            url,
+            "--flows",
+            "onceonly.demo_flow:FLOWS",
+            "--owner",
+            "demo-worker",
+            "--poll-s",
+            "0.1",
+            "--lease-s",
+            "10",
+        ],
+        standalone_mode=False,
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    run_flow(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
+        sys.exit(_worker(sys.argv[2:]))
+    sys.exit(main())
