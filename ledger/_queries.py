@@ -86,9 +86,11 @@ class QueryMixin:
         since: float | None = None,
         until: float | None = None,
         limit: int | None = None,
+        step_id: str | None = None,
     ) -> list[EffectRecord]:
         """Entries matching every given filter, newest first."""
-        return [effect_record(r) for r in self._query(run_id, status, effect, since, until, limit)]
+        rows = self._query(run_id, status, effect, since, until, limit, step_id)
+        return [effect_record(r) for r in rows]
 
     def _query(
         self,
@@ -98,11 +100,13 @@ class QueryMixin:
         since: float | None,
         until: float | None,
         limit: int | None,
+        step_id: str | None = None,
     ) -> list[Row]:
         q = self._q
         where, params = [], []
         for col, op, val in (
             ("run_id", "=", run_id),
+            ("step_id", "=", step_id),
             ("status", "=", None if status is None else EffectStatus(status).value),
             ("effect", "=", effect),
             ("updated_at", ">=", since),
