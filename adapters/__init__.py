@@ -1,8 +1,10 @@
 """Guarded adapters: wrap the clients agents already use so each effect happens once.
 
-Built on the effects ledger (``ledger``); imports nothing from ``onceonly``. This release
-has the guard itself and the email adapter (SMTP, probed by IMAP); the other adapters
-(HTTP, records, bookings, MCP, LangGraph) build on the same guard.
+Built on the effects ledger (``ledger``); imports nothing from ``onceonly``. The guard
+itself (:func:`guard`, keys from :func:`step`), and adapters for e-mail (SMTP, probed by
+IMAP), rows in your own tables (``GuardedTable``) and LangGraph tool calls
+(``ToolGuard``). Adapters with optional dependencies live in submodules: HTTP
+(``adapters.http``), bookings (``adapters.booking``) and MCP (``adapters.mcp``).
 """
 
 from .context import StepDiverged, current_claim, identity_for, step
@@ -19,6 +21,15 @@ from .email import (
 )
 from .guard import Probe, RetryPolicy, guard
 from .langgraph import ToolGuard, ToolPolicy
+from .record import (
+    GuardedTable,
+    RecordNotSent,
+    RecordOutcomeUnknown,
+    RecordRejected,
+    RecordWriteError,
+    ReferenceReuseError,
+    classify_record,
+)
 
 __all__ = [
     "EmailNotSent",
@@ -26,14 +37,21 @@ __all__ = [
     "EmailRejected",
     "EmailSendError",
     "GuardedSMTP",
+    "GuardedTable",
     "IMAPMailbox",
     "Probe",
+    "RecordNotSent",
+    "RecordOutcomeUnknown",
+    "RecordRejected",
+    "RecordWriteError",
+    "ReferenceReuseError",
     "RetryPolicy",
     "SMTPServer",
     "SentEmail",
     "StepDiverged",
     "ToolGuard",
     "ToolPolicy",
+    "classify_record",
     "classify_smtp",
     "current_claim",
     "guard",

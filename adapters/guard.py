@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar, cast
@@ -23,6 +24,7 @@ from opentelemetry import trace
 from checkpoint.errors import ConfigurationError
 from ledger import (
     Claim,
+    EffectFailed,
     EffectIdentity,
     EffectInDoubt,
     EffectRecord,
@@ -72,16 +74,17 @@ class RetryPolicy:
         if self.max_attempts < 1 or self.initial_s < 0 or self.max_s < self.initial_s:
             raise ConfigurationError("RetryPolicy needs max_attempts >= 1, 0 <= initial_s <= max_s")
 
-    def retrying(self) -> tenacity.Retrying:
-        """A fresh tenacity controller (per call state lives there, not here)."""
-        return tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(self.max_attempts),
-            wait=tenacity.wait_exponential(
-                multiplier=self.initial_s, exp_base=self.multiplier, max=self.max_s
-            ),
-            retry=tenacity.retry_if_exception_type(_Again),
-            reraise=True,
+    def wait(self) -> tenacity.wait.wait_base:
+        """The tenacity wait strategy: exponential from ``initial_s``, capped at ``max_s``."""
+        return tenacity.wait_exponential(
+            multiplier=self.initial_s, exp_base=self.multiplier, max=self.max_s
         )
+
+    def pause_before(self, attempt: int) -> float:
+        """Seconds to pause before ``attempt`` (2, 3, ...), as tenacity computes them."""
+        state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
+        state.attempt_number = attempt - 1
+        return float(self.wait()(state))
 
 
 class _Again(Exception):
@@ -198,6 +201,10 @@ def guard(
 
 
 # -- the attempt loop -----------------------------------------------------------------
+#
+# One loop, written once for both worlds: each attempt claims (or replays, or settles an
+# in-doubt entry by evidence), acts, and records the outcome by evidence. The sync and
+# async wrappers differ only in how they call the act and the ledger.
 
 
 def _start(span: trace.Span, spec: _Spec, ident: EffectIdentity, key_id: str) -> None:
@@ -215,8 +222,26 @@ def _finish(span: trace.Span, outcome: str, claim: Claim | None, attempt: int) -
         span.set_attribute("onceonly.effect.epoch", claim.epoch)
 
 
-def _claim(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim | Replay | Any:
-    """A claim, a replay, or (after reconciliation) the provider's recorded result."""
+def _outcome_of(exc: BaseException) -> str:
+    """The span outcome of a call that ends with ``exc``."""
+    if isinstance(exc, EffectInDoubt):
+        return "in_doubt"
+    if isinstance(exc, EffectFailed):
+        return "replayed"  # a recorded definite failure, raised again
+    return "failed"
+
+
+class _Settled(Exception):
+    """An in-doubt entry was settled by evidence as happened: here is its result."""
+
+    def __init__(self, replay: Replay) -> None:
+        super().__init__("settled")
+        self.replay = replay
+
+
+def _claim(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim | Replay:
+    """A claim or a replay; raises :class:`_Settled` when reconciliation proved that an
+    in-doubt entry happened, :class:`_Again` when it proved it did not."""
     try:
         return spec.ledger.claim(
             ident,
@@ -229,8 +254,9 @@ def _claim(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim | Replay
         return _reconcile(spec, str(doubt.key_id), doubt)
 
 
-def _reconcile(spec: _Spec, key_id: str, cause: BaseException) -> Claim | Replay:
-    """Settle an in-doubt entry by evidence: a re-send claim, the result, or needs-human."""
+def _reconcile(spec: _Spec, key_id: str, cause: BaseException) -> Claim:
+    """Settle an in-doubt entry by evidence: a re-send claim, or raise :class:`_Settled`
+    (happened), :class:`_Again` (did not happen) or ``EffectInDoubt`` (no evidence)."""
     ledger = spec.ledger
     record = ledger.get(key_id)
     if record.status is EffectStatus.NEEDS_HUMAN:
@@ -245,14 +271,16 @@ def _reconcile(spec: _Spec, key_id: str, cause: BaseException) -> Claim | Replay
     if isinstance(moved, Claim):
         return moved
     if moved.status is EffectStatus.COMMITTED:
-        return ledger.replay(key_id)
+        raise _Settled(ledger.replay(key_id))
     if moved.status is EffectStatus.NOT_HAPPENED:
         raise _Again(cause, None)
     raise EffectInDoubt(key_id, moved.status.value, moved.provider_class.value) from cause
 
 
 def _after_error(spec: _Spec, claim: Claim, exc: BaseException) -> _Again:
-    """Record a failed attempt by evidence; return the retry signal or raise."""
+    """Record a failed attempt by evidence; return the retry signal, or raise (the
+    original error when rejected; :class:`_Settled` / ``EffectInDoubt`` when the
+    in-doubt attempt was reconciled)."""
     ledger = spec.ledger
     outcome = OutcomeClass.AMBIGUOUS if spec.classify is None else spec.classify(exc)
     detail = type(exc).__name__
@@ -263,16 +291,10 @@ def _after_error(spec: _Spec, claim: Claim, exc: BaseException) -> _Again:
         ledger.fail(claim, type(exc).__name__, str(exc))
         raise exc
     ledger.mark_unknown(claim, detail, error=exc)
-    settled = _reconcile(spec, claim.key_id, exc)  # raises EffectInDoubt if no evidence
-    if isinstance(settled, Claim):
-        return _Again(exc, settled)
-    raise _Settled(settled)
-
-
-class _Settled(Exception):
-    def __init__(self, replay: Replay) -> None:
-        super().__init__("settled")
-        self.replay = replay
+    try:
+        return _Again(exc, _reconcile(spec, claim.key_id, exc))
+    except _Again as again:  # proved not to have happened: send again
+        return _Again(exc, again.claim)
 
 
 def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], Any]) -> Any:
@@ -283,43 +305,39 @@ def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], A
         _start(span, spec, ident, ledger.key_id(ident))
         resend: Claim | None = None
         attempt = 0
+        last: BaseException | None = None
         try:
-            for tries in spec.retry.retrying():
-                with tries:
-                    attempt += 1
+            for attempt in range(1, spec.retry.max_attempts + 1):
+                if attempt > 1:
+                    time.sleep(spec.retry.pause_before(attempt))
+                try:
                     out = resend if resend is not None else _claim(spec, ident, call_args)
-                    resend = None
-                    if isinstance(out, Replay):
-                        _finish(span, "replayed" if attempt == 1 else "reconciled", None, attempt)
-                        return out.result
-                    try:
-                        with _acting(out):
-                            result = act()
-                    except _Again:
-                        raise
-                    except BaseException as exc:
-                        try:
-                            signal = _after_error(spec, out, exc)
-                        except _Settled as settled:
-                            _finish(span, "reconciled", out, attempt)
-                            return settled.replay.result
-                        resend = signal.claim
-                        raise signal from exc
-                    ledger.commit(out, result)
-                    _finish(span, "executed", out, attempt)
-                    return result
-        except _Again as again:
-            _finish(
-                span,
-                "in_doubt" if isinstance(again.cause, EffectInDoubt) else "failed",
-                None,
-                attempt,
-            )
-            raise again.cause from None
-        except EffectInDoubt:
-            _finish(span, "in_doubt", None, attempt)
+                except _Again as again:  # reconciled as not happened: claim anew
+                    resend, last = again.claim, again.cause
+                    continue
+                resend = None
+                if isinstance(out, Replay):
+                    _finish(span, "replayed", None, attempt)
+                    return out.result
+                try:
+                    with _acting(out):
+                        result = act()
+                except BaseException as exc:  # noqa: BLE001  (recorded by evidence)
+                    signal = _after_error(spec, out, exc)
+                    resend, last = signal.claim, exc
+                    continue
+                ledger.commit(out, result)
+                _finish(span, "executed", out, attempt)
+                return result
+        except _Settled as settled:
+            _finish(span, "reconciled", None, attempt)
+            return settled.replay.result
+        except BaseException as exc:
+            _finish(span, _outcome_of(exc), None, attempt)
             raise
-    raise AssertionError("unreachable")  # pragma: no cover
+        _finish(span, _outcome_of(last) if last is not None else "failed", None, attempt)
+        assert last is not None
+        raise last
 
 
 async def _run_async(
@@ -340,48 +358,41 @@ async def _run_async(
     ) as span:
         _start(span, spec, ident, ledger.key_id(ident))
         resend: Claim | None = None
+        attempt = 0
         last: BaseException | None = None
-        for attempt in range(1, spec.retry.max_attempts + 1):
-            if attempt > 1:
-                await asyncio.sleep(
-                    min(
-                        spec.retry.initial_s * spec.retry.multiplier ** (attempt - 2),
-                        spec.retry.max_s,
-                    )
-                )
-            try:
-                out = (
-                    resend
-                    if resend is not None
-                    else await call(lambda: _claim(spec, ident, call_args))
-                )
-            except _Again as again:  # reconciled as not happened: claim anew
-                resend, last = again.claim, again.cause
-                continue
-            resend = None
-            if isinstance(out, Replay):
-                _finish(span, "replayed" if attempt == 1 else "reconciled", None, attempt)
-                return out.result
-            try:
-                with _acting(out):
-                    result = await act()
-            except BaseException as exc:  # noqa: BLE001  (recorded by evidence, then re-raised)
+        try:
+            for attempt in range(1, spec.retry.max_attempts + 1):
+                if attempt > 1:
+                    await asyncio.sleep(spec.retry.pause_before(attempt))
                 try:
-                    signal = await call(functools.partial(_after_error, spec, out, exc))
-                except _Settled as settled:
-                    _finish(span, "reconciled", out, attempt)
-                    return settled.replay.result
-                except EffectInDoubt:
-                    _finish(span, "in_doubt", out, attempt)
-                    raise
-                except _Again as again:  # the probe proved it did not happen
-                    resend, last = again.claim, exc
+                    out = (
+                        resend
+                        if resend is not None
+                        else await call(functools.partial(_claim, spec, ident, call_args))
+                    )
+                except _Again as again:
+                    resend, last = again.claim, again.cause
                     continue
-                resend, last = signal.claim, exc
-                continue
-            await call(functools.partial(ledger.commit, out, result))
-            _finish(span, "executed", out, attempt)
-            return result
-        _finish(span, "failed", None, spec.retry.max_attempts)
+                resend = None
+                if isinstance(out, Replay):
+                    _finish(span, "replayed", None, attempt)
+                    return out.result
+                try:
+                    with _acting(out):
+                        result = await act()
+                except BaseException as exc:  # noqa: BLE001  (recorded by evidence)
+                    signal = await call(functools.partial(_after_error, spec, out, exc))
+                    resend, last = signal.claim, exc
+                    continue
+                await call(functools.partial(ledger.commit, out, result))
+                _finish(span, "executed", out, attempt)
+                return result
+        except _Settled as settled:
+            _finish(span, "reconciled", None, attempt)
+            return settled.replay.result
+        except BaseException as exc:
+            _finish(span, _outcome_of(exc), None, attempt)
+            raise
+        _finish(span, _outcome_of(last) if last is not None else "failed", None, attempt)
         assert last is not None
         raise last

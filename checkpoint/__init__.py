@@ -43,7 +43,7 @@ from .records import (
     StateMigrations,
 )
 from .store import Store, ensure_schema, migrate, migrate_component
-from .waits import NOTIFY_CHANNEL, Wait, WaitKind, Waits, WaitStatus, notify_ready, subject_hash
+from .waits import Wait, WaitKind, Waits, WaitStatus, notify_ready, subject_hash
 
 __all__ = [
     "AsyncWriteError",
@@ -62,7 +62,6 @@ __all__ = [
     "KeyframePolicy",
     "LeaseHeld",
     "Migration",
-    "NOTIFY_CHANNEL",
     "NotFound",
     "OnceOnlyError",
     "RetentionPolicy",

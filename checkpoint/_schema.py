@@ -133,6 +133,17 @@ waits = Table(
 # The worker's scan for due timers and expired approvals.
 waits_by_due = Index("oo_waits_due", waits.c.status, waits.c.due_at)
 
+# A run that shares another run's effect keys (a fork and its origin): retention keeps
+# the origin, whose ledger entries the fork replays, while the fork exists.
+run_links = Table(
+    "oo_run_links",
+    metadata,
+    Column("run_id", String(200), primary_key=True),
+    Column("key_run", String(200), nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+run_links_by_key_run = Index("oo_run_links_key_run", run_links.c.key_run)
+
 CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -148,8 +159,14 @@ CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         2,
-        "waits: approvals (bound to a subject hash), signals and timers of waiting runs",
-        (CreateTable(waits), CreateIndex(waits_by_due)),
+        "waits: approvals (bound to a subject hash), signals and timers of waiting runs; "
+        "links from forks to the runs whose effect keys they share",
+        (
+            CreateTable(waits),
+            CreateIndex(waits_by_due),
+            CreateTable(run_links),
+            CreateIndex(run_links_by_key_run),
+        ),
     ),
 )
 CHECKPOINT_SCHEMA_VERSION = CHECKPOINT_MIGRATIONS[-1].version

@@ -416,8 +416,13 @@ class Store:
         next_step: str | None = None,
         handoff: Handoff | None = None,
         status: RunStatus = RunStatus.RUNNING,
+        key_run: str | None = None,
     ) -> Run:
         """Create a run (no checkpoint yet).
+
+        Args:
+            key_run: The run whose effect keys this run shares (a fork's origin):
+                retention keeps that run, and so its ledger entries, while this one exists.
 
         Raises:
             RunExists: A run with ``run_id`` exists already.
@@ -442,6 +447,12 @@ class Store:
         try:
             with translate("create a run"), self.engine.begin() as conn:
                 conn.execute(_schema.runs.insert().values(**values))
+                if key_run is not None and key_run != rid:
+                    conn.execute(
+                        _schema.run_links.insert().values(
+                            run_id=rid, key_run=key_run, created_at=now
+                        )
+                    )
         except StoreError as exc:
             if isinstance(exc.__cause__, sa_exc.IntegrityError):
                 raise RunExists(rid) from exc.__cause__
@@ -1214,7 +1225,8 @@ class Store:
         self, policy: RetentionPolicy, *, now: float | None = None
     ) -> RetentionReport:
         """Delete (optionally archiving first) finished runs older than the policy allows,
-        then collect blobs no run refers to. Waiting and running runs are never touched.
+        then collect blobs no run refers to. Waiting and running runs are never touched,
+        nor a run whose effect keys a remaining run shares (a live fork's origin).
 
         Returns:
             What was removed.
@@ -1246,8 +1258,16 @@ class Store:
                         r.c.run_id == run_id, r.c.status.in_(statuses), r.c.updated_at < cutoff
                     )
                 ).first()
-                if still is None:
+                links = _schema.run_links
+                shared = conn.execute(
+                    select(links.c.run_id).where(
+                        links.c.key_run == run_id,
+                        links.c.run_id.in_(select(r.c.run_id).where(r.c.run_id != run_id)),
+                    )
+                ).first()
+                if still is None or shared is not None:
                     continue
+                conn.execute(delete(links).where(links.c.run_id == run_id))
                 conn.execute(
                     delete(_schema.checkpoints).where(_schema.checkpoints.c.run_id == run_id)
                 )

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from .store import Store
 
 __all__ = [
-    "NOTIFY_CHANNEL",
     "Wait",
     "WaitKind",
     "WaitStatus",

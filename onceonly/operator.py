@@ -35,6 +35,8 @@ from .runtime import META
 
 __all__ = ["GcReport", "Operator", "RunView"]
 
+_IN_DOUBT = ("unknown", "needs_human", "claimed")
+
 
 @dataclass(frozen=True)
 class RunView:
@@ -65,6 +67,7 @@ class GcReport:
     runs_deleted: int
     effects_deleted: int
     blobs_deleted: int
+    waits_deleted: int = 0
 
 
 class Operator:
@@ -166,12 +169,45 @@ class Operator:
         return self.store.get_run(run_id)
 
     def retry(self, run_id: str, *, actor: str, reason: str = "") -> Run:
-        """Make a failed run ready again at the step that failed (after a fix)."""
+        """Make a failed run ready again at the step that failed (after a fix).
+
+        The step runs again at the same position: effects its failed attempt recorded
+        replay (they never act again), so a fix that changes what the step sends stops it
+        with a divergence instead of sending something else.
+
+        Raises:
+            RunNotResumable: The run is not failed, or it failed on a wait (a rejection
+                or an expiry with no step to take): fork it from before the wait.
+        """
         run = self.store.get_run(run_id)
         if run.status is not RunStatus.FAILED:
             raise RunNotResumable(run_id, run.status.value, "only a failed run is retried")
+        meta = dict(self.store.load(run_id).state.get(META) or {})
+        error = dict(meta.get("error") or {})
+        failed = str(error.get("step") or "")
+        visits = dict(meta.get("visits") or {})
+        if run.next_step is not None:  # the step raised: it never completed this visit
+            nxt = run.next_step
+        elif error.get("type") == "Fail" and failed:
+            # The step returned ctx.fail(): its visit was counted; run the same visit
+            # again so what it recorded replays.
+            nxt = failed
+            visits[failed] = max(0, int(visits.get(failed, 1)) - 1)
+        else:
+            raise RunNotResumable(
+                run_id,
+                run.status.value,
+                f"it failed at {failed or 'an unknown point'} and has no step to retry; "
+                f"fork it from an earlier checkpoint (`onceonly runs fork`)",
+            )
         self._operator_checkpoint(
-            run_id, "operator:retry", actor, reason or "retry", status=RunStatus.RUNNING
+            run_id,
+            "operator:retry",
+            actor,
+            reason or "retry",
+            status=RunStatus.RUNNING,
+            next_step=nxt,
+            meta_update={"visits": visits, "next": nxt},
         )
         self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
         return self.store.get_run(run_id)
@@ -202,6 +238,11 @@ class Operator:
         meta = dict(state.pop(META, None) or {})
         waiting = meta.get("waiting")
         nxt = meta.get("next")
+        if not waiting and not nxt:
+            raise ConfigurationError(
+                f"checkpoint {seq} of run {run_id!r} has no next step (the run ended or "
+                f"failed there); fork from an earlier checkpoint"
+            )
         meta["forked_from"] = {"run": run_id, "seq": seq, "by": actor, "reason": reason}
         meta["key_run"] = meta.get("key_run") or run_id
         meta["error"] = None
@@ -213,15 +254,28 @@ class Operator:
             next_step=nxt,
             handoff=origin.handoff,
             status=RunStatus.WAITING,
+            key_run=str(meta["key_run"]),  # gc keeps the origin while the fork lives
         ).run_id
+        # Parked on an in-doubt effect: if it is settled now, the step just runs again
+        # (the effect replays, or is sent if it did not happen); else park the fork too.
+        if (
+            waiting
+            and waiting.get("effect")
+            and self.ledger.get(str(waiting["effect"])).status.value not in _IN_DOUBT
+        ):
+            waiting = None
+            meta["waiting"] = None
         if waiting:  # ask again: a decision of the origin does not carry over
             name = str(waiting["name"])
             old = self.waits.get(run_id, name)
+            due = old.due_at
+            if old.kind is WaitKind.APPROVAL and due is not None:
+                due = self.clock() + max(0.0, due - old.created_at)  # the same time to decide
             self.waits.open(
                 new,
                 name,
                 old.kind,
-                due_at=old.due_at if old.kind is WaitKind.TIMER else None,
+                due_at=due,
                 subject=old.subject,
                 requested_by=old.requested_by,
                 allow_self=old.allow_self,
@@ -241,21 +295,49 @@ class Operator:
         return self.store.update_run(run_id, handoff=handoff)
 
     # -- retention ---------------------------------------------------------------------
-    def gc(self, *, older_than_s: float, archive_path: str | None = None) -> GcReport:
+    def gc(
+        self,
+        *,
+        older_than_s: float,
+        archive_path: str | None = None,
+        on_phase: Callable[[str], None] | None = None,
+    ) -> GcReport:
         """Archive (optional) and delete completed, failed and cancelled runs not updated
         for ``older_than_s``, drop ledger entries older than that and past their dedup
-        windows, and collect unreferenced blobs. Waiting and running runs, open approvals
-        and effects inside their windows are never touched."""
+        windows, delete the waits of deleted runs, and collect unreferenced blobs.
+        Waiting and running runs, open approvals and effects inside their windows are
+        never touched.
+
+        Args:
+            older_than_s: Minimum age (seconds since the last update).
+            archive_path: Append each removed run to this JSONL file first (and each
+                removed ledger entry to ``<archive_path>.effects``).
+            on_phase: Called with ``runs``, ``effects`` and ``waits`` as each phase
+                starts (progress display).
+        """
+        phase = on_phase or (lambda _name: None)
+        phase("runs")
         report = self.store.apply_retention(
-            RetentionPolicy(older_than_s=older_than_s, archive_path=archive_path)
+            RetentionPolicy(older_than_s=older_than_s, archive_path=archive_path),
+            now=self.clock(),
         )
+        phase("effects")
         effects = self.ledger.apply_retention(
             EffectRetention(
                 older_than_s=older_than_s,
                 archive_path=None if archive_path is None else archive_path + ".effects",
             )
         )
-        return GcReport(report.runs_archived, report.runs_deleted, effects, report.blobs_collected)
+        phase("waits")
+
+        def orphans(cur: Any) -> int:
+            cur.execute("DELETE FROM oo_waits WHERE run_id NOT IN (SELECT run_id FROM oo_runs)")
+            return int(cur.rowcount or 0)
+
+        waits = self.store.transact(orphans)
+        return GcReport(
+            report.runs_archived, report.runs_deleted, effects, report.blobs_collected, waits
+        )
 
     # -- internals ---------------------------------------------------------------------
     def _operator_checkpoint(
@@ -267,7 +349,11 @@ class Operator:
         *,
         set_channel: tuple[str, Any] | None = None,
         status: RunStatus | None = None,
+        next_step: str | None = None,
+        meta_update: dict[str, Any] | None = None,
     ) -> CheckpointInfo:
+        if not actor.strip():
+            raise ConfigurationError(f"{step} needs the operator's identity")
         snap = self.store.load(run_id)
         state = snap.state
         meta = dict(state.get(META) or {})
@@ -280,5 +366,10 @@ class Operator:
         meta["operator_log"] = log
         if status is RunStatus.RUNNING:
             meta["error"] = None
+        meta.update(meta_update or {})
         state[META] = meta
-        return self.store.save(run_id, state, step=step, status=status, source=Source.OPERATOR)
+        if next_step is None:
+            return self.store.save(run_id, state, step=step, status=status, source=Source.OPERATOR)
+        return self.store.save(
+            run_id, state, step=step, next_step=next_step, status=status, source=Source.OPERATOR
+        )

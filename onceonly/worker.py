@@ -9,8 +9,13 @@ Idle workers sleep until PostgreSQL ``NOTIFY`` wakes them (a start, a decision, 
 signal) or the poll interval passes (timers; SQLite).
 
 :meth:`Worker.stop` (SIGTERM, SIGINT) drains: the current step finishes and checkpoints,
-the lease is released, and :meth:`Worker.run` returns. A database error stops the worker
-(fail closed); the next start recovers from disk.
+the lease is released, and :meth:`Worker.run` returns; a second signal stops the process
+at once, as a crash would (the run resumes from its last checkpoint elsewhere). A
+database error stops the worker (fail closed); the next start recovers from disk. A run
+this worker cannot run (its flow, step or state version is unknown to this code, or a
+record of it fails its integrity check) is logged and skipped: it is leased to
+``<owner>:skipped`` until that lease lapses, so the worker goes on with other runs and a
+worker with other code may take it later.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from checkpoint import NOTIFY_CHANNEL, LeaseHeld
+from checkpoint import LeaseHeld, OnceOnlyError, StoreError
+from checkpoint.waits import NOTIFY_CHANNEL
+from ledger import LedgerUnavailable
 
-from .errors import FlowNotRegistered
 from .runtime import Runtime
 
 __all__ = ["Worker", "WorkerStats"]
@@ -42,11 +48,13 @@ class WorkerStats:
         runs_driven: Runs it claimed and drove.
         claim_conflicts: Runs it claimed but found leased by another worker.
         leases_lost: Leases it failed to renew (another worker took the run).
+        runs_skipped: Runs it claimed but could not run (see the module docstring).
     """
 
     runs_driven: int = 0
     claim_conflicts: int = 0
     leases_lost: int = 0
+    runs_skipped: int = 0
 
 
 class Worker:
@@ -78,6 +86,11 @@ class Worker:
         """Drain on SIGTERM and SIGINT (call from the main thread)."""
 
         def handler(signum: int, frame: FrameType | None) -> None:
+            if self.stopping:
+                log.warning("signal %s again: stopping at once", signum)
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+                return
             log.info("signal %s: draining (the current step finishes)", signum)
             self.stop()
 
@@ -92,6 +105,13 @@ class Worker:
             StoreError / LedgerUnavailable: The database failed; the worker stopped.
         """
         rt = self.runtime
+        log.info(
+            "worker %s: claiming runs (lease %.1f s, poll %.1f s, batch %d)",
+            rt.owner,
+            rt.lease_s,
+            self.poll_s,
+            self.batch,
+        )
         with self._listener() as listener:
             while not self.stopping:
                 if max_runs is not None and self.stats.runs_driven >= max_runs:
@@ -112,22 +132,34 @@ class Worker:
     def _drive(self, run_id: str) -> None:
         rt = self.runtime
         try:
-            with self._renewing(run_id):
-                run = rt.drive(run_id, should_stop=lambda: self.stopping)
+            with self._renewing(run_id) as lost:
+                run = rt.drive(run_id, should_stop=lambda: self.stopping or lost.is_set())
         except LeaseHeld:
             self.stats.claim_conflicts += 1
             return
-        except FlowNotRegistered as exc:
-            # Keep the lease until it lapses, so a worker that knows the flow takes it.
-            log.warning("%s", exc)
+        except (StoreError, LedgerUnavailable):
+            raise  # fail closed: the worker stops
+        except OnceOnlyError as exc:
+            # This code cannot run the run (unknown flow, step or state version; a corrupt
+            # record). Park it under a lease of another name until that lapses: a lease
+            # under our own name would count as free and be claimed again at once, so
+            # other runs go on, and a worker with other code may take it later.
+            self.stats.runs_skipped += 1
+            parked = f"{rt.owner}:skipped"
+            log.error("run %s skipped for %.0f s (lease %s): %s", run_id, rt.lease_s, parked, exc)
+            with contextlib.suppress(LeaseHeld):
+                rt.store.acquire_lease(run_id, parked, rt.lease_s)
             return
         self.stats.runs_driven += 1
         log.info("run %s: %s (next %s)", run_id, run.status.value, run.next_step)
 
     @contextlib.contextmanager
-    def _renewing(self, run_id: str) -> Iterator[None]:
+    def _renewing(self, run_id: str) -> Iterator[threading.Event]:
+        """Renew the run's lease every third of its length; the yielded event is set if
+        another worker took the run (then the drive stops after the current step)."""
         rt = self.runtime
         done = threading.Event()
+        lost = threading.Event()
 
         def renew() -> None:
             while not done.wait(rt.lease_s / 3):
@@ -135,6 +167,7 @@ class Worker:
                     rt.store.acquire_lease(run_id, rt.owner, rt.lease_s)
                 except LeaseHeld:
                     self.stats.leases_lost += 1
+                    lost.set()
                     log.warning("lost the lease of run %s; its ledger claims stay fenced", run_id)
                     return
                 except Exception:  # the step's own writes will surface a real failure
@@ -143,7 +176,7 @@ class Worker:
         thread = threading.Thread(target=renew, name=f"lease-{run_id[:8]}", daemon=True)
         thread.start()
         try:
-            yield
+            yield lost
         finally:
             done.set()
             thread.join()
@@ -172,6 +205,13 @@ class Worker:
         waited = 0.0
         while waited < self.poll_s and not self.stopping:
             slice_s = min(0.25, self.poll_s - waited)
-            for _ in listener.notifies(timeout=slice_s, stop_after=1):
+            with contextlib.closing(listener.notifies(timeout=slice_s, stop_after=1)) as got:
+                woken = next(got, None) is not None
+            if woken:
+                # One claim round answers every notification queued while this worker
+                # was busy: drop them rather than run an empty round for each. (The
+                # generator above is closed first: it holds the connection's lock.)
+                for _ in listener.notifies(timeout=0):
+                    pass
                 return
             waited += slice_s

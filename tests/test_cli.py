@@ -75,7 +75,7 @@ def test_migrate_sql_prints_the_ddl_and_creates_nothing(url: str) -> None:
 
 def test_migrate_creates_the_schema_once(url: str) -> None:
     first = _invoke("migrate", "--url", url)
-    assert "checkpoint schema: applied 1" in first.stdout
+    assert "checkpoint schema: applied 2" in first.stdout
     assert {"oo_runs", "oo_checkpoints", "oo_blobs"} <= _tables(url)
     with Store.open(url, create=False) as store:
         store.create_run("f")
@@ -109,6 +109,9 @@ def test_runs_list_json(url: str) -> None:
         "next_step": None,
         "head_seq": 1,
         "updated_at": 0,
+        "waiting_on": [],
+        "lease_owner": None,
+        "lease_expires_at": None,
     }
     assert (by_id[ids["b"]]["status"], by_id[ids["b"]]["next_step"]) == ("waiting", "charge")
     assert by_id[ids["b"]]["head_seq"] == 0
@@ -213,16 +216,17 @@ def test_a_missing_run_is_one_line_and_exit_code_1(url: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_demo_resumes_not_restarts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("crash_at", ["approval", "random"])
+def test_the_demo_resumes_not_restarts(tmp_path: Path, crash_at: str) -> None:
     db = tmp_path / "demo.db"
-    proc = _run("demo", "--db", str(db))
+    proc = _run("demo", "--db", str(db), "--crash-at", crash_at, "--seed", "7")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "resumed, not restarted" in proc.stdout
-    assert "steps run twice: none" in proc.stdout
+    assert "every effect happened once" in proc.stdout
+    kills = int(proc.stdout.split("worker kills: ")[1].split(";")[0])
+    assert kills >= 1
     with Store.open(f"sqlite:///{db}") as store:
         (run,) = store.list_runs()
         assert run.status is RunStatus.COMPLETED
-        assert run.next_step is None
-        assert store.load(run.run_id).state["vendor_record"]["status"] == "active"
+        assert store.load(run.run_id).state["result"]["vendor_id"] == "V-000001"
     again = _run("demo", "--db", str(db))
-    assert again.returncode == 2  # the demo wants a fresh database
+    assert again.returncode == 2  # the demo wants a fresh database; nothing is touched

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from email.message import EmailMessage
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from adapters import RetryPolicy, step
 from adapters.email import (
@@ -20,7 +21,7 @@ from adapters.email import (
     IMAPMailbox,
 )
 from checkpoint import ConfigurationError, Store
-from ledger import EffectFailed, EffectInDoubt, EffectStatus, Ledger
+from ledger import EffectFailed, EffectInDoubt, EffectRecord, EffectStatus, Ledger
 from tests.ledger_support import Ledgers
 from tests.mail_fakes import HOST, Fault, FaultySMTP, MailDevel, free_port
 
@@ -73,6 +74,19 @@ def adapter(
     )
 
 
+def check_span(spans: InMemorySpanExporter, outcome: str, rec: EffectRecord) -> None:
+    """The last send's span: its outcome and ids, never the key or the message."""
+    span = spans.get_finished_spans()[-1]
+    attrs = dict(span.attributes or {})
+    assert span.name == "execute_tool email.send@1"
+    assert attrs["onceonly.effect.outcome"] == outcome
+    assert attrs["onceonly.provider_class"] == "B"
+    assert attrs["onceonly.effect.key_id"] == rec.key_id
+    shown = " ".join(map(str, attrs.values()))
+    for secret in (rec.provider_key, "ada@example.net", "Welcome", "Hello"):
+        assert secret not in shown
+
+
 def welcome(to: str = "ada@example.net") -> EmailMessage:
     msg = EmailMessage()
     msg["From"] = "Shop <noreply@example.org>"
@@ -83,13 +97,20 @@ def welcome(to: str = "ada@example.net") -> EmailMessage:
 
 
 def test_a_send_happens_once_and_replays_after_a_restart(
-    ledger: Ledger, ledgers: Ledgers, smtp: FaultySMTP, mail: MailDevel, run_id: str
+    ledger: Ledger,
+    ledgers: Ledgers,
+    smtp: FaultySMTP,
+    mail: MailDevel,
+    run_id: str,
+    spans: InMemorySpanExporter,
 ) -> None:
     mailer = adapter(ledger, smtp, mail)
     with step(run_id, "welcome"):
         sent = mailer.send(welcome())
+    check_span(spans, "executed", ledger.effects()[0])
     with step(run_id, "welcome"):  # a resume of the same step
         assert mailer.send(welcome()) == sent
+    check_span(spans, "replayed", ledger.effects()[0])
     restarted = adapter(ledgers.fresh(owner="w2"), smtp, mail)  # a new process
     with step(run_id, "welcome"):
         assert restarted.send(welcome()) == sent
@@ -180,12 +201,14 @@ def test_a_lost_reply_after_data_is_reconciled_by_the_imap_probe(
     mail: MailDevel,
     run_id: str,
     fault: Fault,
+    spans: InMemorySpanExporter,
 ) -> None:
     smtp.fail_next(fault)
     mailer = adapter(ledger, smtp, mail, retry=RETRY, timeout_s=0.5)
     with step(run_id, "s"):
         sent = mailer.send(welcome())
     assert sent["reconciled"] is True
+    check_span(spans, "reconciled", ledger.effects()[0])
     restarted = adapter(ledgers.fresh(owner="w2"), smtp, mail, retry=RETRY)
     with step(run_id, "s"):
         assert restarted.send(welcome()) == sent
@@ -216,7 +239,12 @@ def test_a_drop_before_the_message_was_filed_is_resent_once_the_probe_proves_it(
 
 
 def test_a_lost_reply_with_the_mailbox_unreachable_needs_a_human_and_is_never_resent(
-    ledger: Ledger, ledgers: Ledgers, smtp: FaultySMTP, mail: MailDevel, run_id: str
+    ledger: Ledger,
+    ledgers: Ledgers,
+    smtp: FaultySMTP,
+    mail: MailDevel,
+    run_id: str,
+    spans: InMemorySpanExporter,
 ) -> None:
     smtp.fail_next(Fault.DROP_AFTER_DATA)
     dead = IMAPMailbox(HOST, mail.user, mail.password, port=free_port(), timeout_s=1.0)
@@ -224,6 +252,7 @@ def test_a_lost_reply_with_the_mailbox_unreachable_needs_a_human_and_is_never_re
     with step(run_id, "s"), pytest.raises(EffectInDoubt) as info:
         mailer.send(welcome())
     assert info.value.status == "needs_human"
+    check_span(spans, "in_doubt", ledger.effects()[0])
     restarted = adapter(ledgers.fresh(owner="w2"), smtp, mail, retry=RETRY)
     with step(run_id, "s"), pytest.raises(EffectInDoubt):
         restarted.send(welcome())

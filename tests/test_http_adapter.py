@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from adapters import RetryPolicy, step
 from adapters.http import AsyncGuardedHTTP, GuardedHTTP, HTTPRejected
@@ -91,6 +92,19 @@ def only(ledger: Ledger) -> Any:
     return rec
 
 
+def check_span(spans: InMemorySpanExporter, outcome: str, rec: Any) -> None:
+    """The last guarded call's span: its outcome and ids, never the key or the payload."""
+    span = spans.get_finished_spans()[-1]
+    attrs = dict(span.attributes or {})
+    assert span.name == "execute_tool pay@1"
+    assert attrs["onceonly.effect.outcome"] == outcome
+    assert attrs["onceonly.provider_class"] == rec.provider_class.value
+    assert attrs["onceonly.effect.key_id"] == rec.key_id
+    shown = " ".join(map(str, attrs.values()))
+    assert rec.provider_key not in shown
+    assert "amount" not in shown
+
+
 CLASSES = ["A", "B", "C"]
 
 
@@ -138,11 +152,14 @@ def test_a_request_happens_once_and_a_restart_replays_without_sending(
     ledger: Ledger,
     restart: Callable[[], GuardedHTTP],
     client: httpx.Client,
+    spans: InMemorySpanExporter,
 ) -> None:
     http = GuardedHTTP(client, ledger, retry=RETRY)
     first = pay(http, cfake, pclass)
+    check_span(spans, "executed", only(ledger))
     assert first == {"status": 201, "json": {"id": 1, "request": {"amount": 5}}}
     assert pay(http, cfake, pclass) == first  # the same step again: replayed
+    check_span(spans, "replayed", only(ledger))
     assert pay(restart(), cfake, pclass) == first
     [sent] = cfake.writes
     rec = only(ledger)
@@ -220,6 +237,7 @@ def test_a_5xx_before_applying_is_settled_by_the_class(
     ledger: Ledger,
     restart: Callable[[], GuardedHTTP],
     client: httpx.Client,
+    spans: InMemorySpanExporter,
 ) -> None:
     cfake.faults = [fault]
     http = GuardedHTTP(client, ledger, retry=RETRY)
@@ -228,12 +246,14 @@ def test_a_5xx_before_applying_is_settled_by_the_class(
             with pytest.raises(EffectInDoubt) as info:
                 pay(again, cfake, pclass)
             assert info.value.status == "needs_human"
+            check_span(spans, "in_doubt", only(ledger))
         assert len(cfake.writes) == 1
         assert cfake.applied == []
         assert only(ledger).status is EffectStatus.NEEDS_HUMAN
         return
     # A: re-sent with the same key; B: the lookup proves it did not happen, then re-sent.
     result = pay(http, cfake, pclass)
+    check_span(spans, "executed", only(ledger))
     assert pay(restart(), cfake, pclass) == result
     assert [w.status for w in cfake.writes] == [503 if fault == "refuse" else 500, 201]
     assert len({w.idempotency_key for w in cfake.writes}) == 1
@@ -252,6 +272,7 @@ def test_a_lost_answer_after_applying_is_settled_by_the_class(
     ledger: Ledger,
     restart: Callable[[], GuardedHTTP],
     client: httpx.Client,
+    spans: InMemorySpanExporter,
 ) -> None:
     cfake.faults = [fault]
     http = GuardedHTTP(client, ledger, retry=RETRY)
@@ -260,11 +281,15 @@ def test_a_lost_answer_after_applying_is_settled_by_the_class(
             with pytest.raises(EffectInDoubt) as info:
                 pay(again, cfake, pclass)
             assert info.value.status == "needs_human"
+            check_span(spans, "in_doubt", only(ledger))
         assert len(cfake.writes) == 1
         assert only(ledger).status is EffectStatus.NEEDS_HUMAN
     else:
         result = pay(http, cfake, pclass)
+        # A: the in-window re-send is executed (attempt 2); B: the lookup reconciles it.
+        check_span(spans, "executed" if pclass == "A" else "reconciled", only(ledger))
         assert pay(restart(), cfake, pclass) == result
+        check_span(spans, "replayed", only(ledger))
         [(_, applied)] = cfake.applied
         assert result == {"status": 201 if pclass == "A" else 200, "json": applied}
         # A: one re-send, answered from the provider's stored response; B: one probe.

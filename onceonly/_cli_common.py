@@ -1,0 +1,228 @@
+"""What the ``onceonly`` commands share: the database URL, the keyring, the operator's
+identity, typed parameters (durations, JSON, hashes), JSON output and progress."""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from checkpoint import Codec, Store
+from checkpoint.errors import ConfigurationError
+from ledger import EffectRecord, Keyring, Ledger, Secret
+
+from .operator import Operator
+
+DEFAULT_URL = "sqlite:///onceonly.db"
+URL_HELP = "Database URL (env ONCEONLY_DATABASE_URL; default sqlite:///onceonly.db)."
+AS_HELP = "Your identity, recorded with the action (default: $USER)."
+
+url_option = click.option("--url", default=None, help=URL_HELP)
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+actor_option = click.option("--as", "actor", default=None, metavar="ACTOR", help=AS_HELP)
+
+
+def db_url(url: str | None) -> str:
+    """The database URL: the option, else ``$ONCEONLY_DATABASE_URL``, else the default."""
+    return url or os.environ.get("ONCEONLY_DATABASE_URL") or DEFAULT_URL
+
+
+def keyring(required: bool) -> Keyring:
+    """The keyring from ``$ONCEONLY_SECRETS``; when not ``required`` and unset, a throwaway
+    one (listing, showing metadata and verifying need no secret; it decrypts nothing)."""
+    try:
+        return Keyring.from_env()
+    except ConfigurationError:
+        if required:
+            raise
+        return Keyring([Secret("read-only", os.urandom(32))])
+
+
+def identity(given: str | None) -> str:
+    """The operator's identity: ``--as``, else ``$USER``, else the login name.
+
+    Raises:
+        ConfigurationError: Neither is known (an action is never recorded anonymously).
+    """
+    if given is not None:
+        if not given.strip():
+            raise ConfigurationError("--as: the identity is empty")
+        return given
+    if os.environ.get("USER", "").strip():
+        return os.environ["USER"]
+    with contextlib.suppress(Exception):  # getpass raises OSError or KeyError without one
+        name = getpass.getuser()  # $LOGNAME, $LNAME, $USERNAME, then the user database
+        if name:
+            return name
+    raise ConfigurationError("cannot tell who you are: pass --as ACTOR (or set $USER)")
+
+
+@contextlib.contextmanager
+def operator(url: str | None, *, secrets: bool = False) -> Iterator[Operator]:
+    """An :class:`Operator` on an existing database (the schema is never created here).
+
+    The store's codec is lenient, so values of dataclasses this process has not
+    registered are shown rather than refused.
+    """
+    with Store.open(db_url(url), create=False, codec=Codec(strict=False)) as store:
+        ledger = Ledger(store, keyring(required=secrets), create=False)
+        try:
+            yield Operator(store, ledger)
+        finally:
+            ledger.close()
+
+
+@contextlib.contextmanager
+def ledger_on(url: str | None, *, secrets: bool = False) -> Iterator[Ledger]:
+    """The effects ledger on an existing database."""
+    with Store.open(db_url(url), create=False) as store:
+        ledger = Ledger(store, keyring(required=secrets), create=False)
+        try:
+            yield ledger
+        finally:
+            ledger.close()
+
+
+def emit_json(doc: Any) -> None:
+    """Print ``doc`` as one line of JSON on stdout."""
+    click.echo(json.dumps(doc, ensure_ascii=False, default=str))
+
+
+def plain(codec: Codec, value: Any) -> Any:
+    """A stored value as JSON (tagged values in the codec's canonical JSON form)."""
+    return json.loads(codec.encode(value))
+
+
+def record_json(rec: EffectRecord) -> dict[str, object]:
+    """An effect's metadata as JSON."""
+    d = dict(rec.__dict__)
+    for k in ("status", "provider_class", "outcome_class"):
+        d[k] = None if d[k] is None else str(d[k])
+    return d
+
+
+def ago(t: float | None, now: float | None = None) -> str:
+    """``t`` relative to now: ``in 5m``, ``3h ago``, ``-``."""
+    if t is None:
+        return "-"
+    delta = t - (time.time() if now is None else now)
+    text = format_duration(abs(delta))
+    return f"in {text}" if delta >= 0 else f"{text} ago"
+
+
+def format_duration(seconds: float) -> str:
+    """``90061`` → ``1d1h``; the two largest units."""
+    s = round(seconds)
+    parts: list[str] = []
+    for unit, size in _UNITS:
+        if s >= size or (unit == "s" and not parts):
+            parts.append(f"{s // size}{unit}")
+            s %= size
+        if len(parts) == 2:
+            break
+    return "".join(parts)
+
+
+_UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
+_SIZES = {"w": 604800.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``30d``, ``12h``, ``90m``, ``45s``, ``2w`` or a sum like ``1h30m``.
+
+    Raises:
+        ValueError: Anything else (a bare number is refused: say its unit).
+    """
+    t = text.strip().lower()
+    if not t or _DURATION.sub("", t):
+        raise ValueError(f"{text!r} is not a duration; use e.g. 30d, 12h, 90m, 45s or 1h30m")
+    return sum(float(n) * _SIZES[u] for n, u in _DURATION.findall(t))
+
+
+if TYPE_CHECKING:  # generic since click 8.4; plain classes before (click>=8.1 is supported)
+    _FloatParam = click.ParamType[float]
+    _AnyParam = click.ParamType[Any]
+    _StrParam = click.ParamType[str]
+else:
+    _FloatParam = _AnyParam = _StrParam = click.ParamType
+
+
+class Duration(_FloatParam):
+    """A duration such as ``30d`` (seconds as a float)."""
+
+    name = "duration"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class JsonValue(_AnyParam):
+    """A JSON document (its parsed value)."""
+
+    name = "json"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            self.fail(f"{value!r} is not JSON ({exc}); quote strings: '\"text\"'", param, ctx)
+
+
+class Hash(_StrParam):
+    """A subject hash: 64 hex digits, as ``onceonly runs show`` prints it."""
+
+    name = "hash"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value).strip().lower()
+        if not re.fullmatch(r"[0-9a-f]{64}", text):
+            self.fail(
+                f"{value!r} is not a subject hash (64 hex digits); copy it from "
+                f"`onceonly runs show RUN`",
+                param,
+                ctx,
+            )
+        return text
+
+
+DURATION = Duration()
+JSON = JsonValue()
+HASH = Hash()
+
+
+@contextlib.contextmanager
+def progress(description: str, total: float | None = None) -> Iterator[Progress]:
+    """A progress display on stderr (stdout stays clean for ``--json`` and pipes);
+    silent when stderr is not a terminal."""
+    console = Console(stderr=True)
+    bar = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+    with bar:
+        bar.add_task(description, total=total)
+        yield bar

@@ -1,0 +1,526 @@
+"""``onceonly runs ...``, ``approve``, ``reject`` and ``signal``: look at runs and act on
+them. Every action goes through :class:`onceonly.operator.Operator` and is recorded with
+the operator's identity."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from checkpoint import Codec, RunStatus, SchemaVersionError, Store, Wait, WaitKind, Waits
+from ledger import Ledger
+
+from ._cli_common import (
+    HASH,
+    JSON,
+    actor_option,
+    ago,
+    db_url,
+    emit_json,
+    identity,
+    json_option,
+    keyring,
+    operator,
+    plain,
+    record_json,
+    url_option,
+)
+from .operator import Operator, RunView
+from .runtime import META
+
+__all__ = ["approve_cmd", "reject_cmd", "runs", "signal_cmd"]
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def _waiting_on(wait: Wait, now: float) -> str:
+    text = f"{wait.kind.value} {wait.name}"
+    if wait.due_at is not None:
+        verb = "due" if wait.kind is WaitKind.TIMER else "expires"
+        text += f" ({verb} {ago(wait.due_at, now)})"
+    return text
+
+
+def _wait_json(codec: Codec, w: Wait) -> dict[str, Any]:
+    return {
+        "name": w.name,
+        "kind": w.kind.value,
+        "status": w.status.value,
+        "due_at": w.due_at,
+        "subject": plain(codec, w.subject) if w.kind is WaitKind.APPROVAL else None,
+        "subject_hash": w.subject_hash,
+        "requested_by": w.requested_by,
+        "allow_self": w.allow_self,
+        "payload": plain(codec, w.payload),
+        "decided_by": w.decided_by,
+        "decided_at": w.decided_at,
+        "reason": w.reason,
+        "created_at": w.created_at,
+    }
+
+
+@click.group("runs")
+def runs() -> None:
+    """Inspect runs and act on them (edit, cancel, retry, fork)."""
+
+
+@runs.command("list")
+@url_option
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in RunStatus]),
+    default=None,
+    help="Only runs with this status.",
+)
+@click.option("--flow", default=None, help="Only runs of this flow.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many.")
+@json_option
+def runs_list(
+    url: str | None, status: str | None, flow: str | None, limit: int | None, as_json: bool
+) -> None:
+    """List runs, most recently updated first, with what each waits on and who holds it."""
+    with Store.open(db_url(url), create=False) as store:
+        rows = store.list_runs(status=status, flow=flow, limit=limit)
+        open_waits: dict[str, list[Wait]] = defaultdict(list)
+        for w in Waits(store).find(status="open"):
+            open_waits[w.run_id].append(w)
+    now = time.time()
+    if as_json:
+        emit_json(
+            [
+                {
+                    "run_id": r.run_id,
+                    "flow": r.flow,
+                    "status": r.status.value,
+                    "next_step": r.next_step,
+                    "head_seq": r.head_seq,
+                    "updated_at": r.updated_at,
+                    "waiting_on": [
+                        {"name": w.name, "kind": w.kind.value, "due_at": w.due_at}
+                        for w in open_waits.get(r.run_id, [])
+                    ],
+                    "lease_owner": r.lease_owner,
+                    "lease_expires_at": r.lease_expires_at,
+                }
+                for r in rows
+            ]
+        )
+        return
+    table = Table(title="runs")
+    table.add_column("run id", no_wrap=True, overflow="fold")  # ids are copied: never "…"
+    for col in ("flow", "status"):
+        table.add_column(col, no_wrap=True)
+    for col in ("next step", "waiting on", "lease"):
+        table.add_column(col, overflow="fold")
+    table.add_column("ckpts", justify="right", no_wrap=True)
+    table.add_column("updated", no_wrap=True)
+    for r in rows:
+        n = "0" if r.head_seq is None else str(r.head_seq + 1)
+        waits = "\n".join(_waiting_on(w, now) for w in open_waits.get(r.run_id, [])) or "-"
+        lease = "-"
+        if r.lease_owner:
+            lapsed = r.lease_expires_at is not None and r.lease_expires_at < now
+            lease = f"{r.lease_owner} ({'lapsed' if lapsed else 'until'} {ago(r.lease_expires_at)})"
+        table.add_row(
+            r.run_id,
+            r.flow,
+            r.status.value,
+            r.next_step or "-",
+            waits,
+            lease,
+            n,
+            ago(r.updated_at, now),
+        )
+    Console().print(table)
+
+
+def _view(store: Store, run_id: str) -> RunView:
+    try:
+        ledger = Ledger(store, keyring(required=False), create=False)
+    except SchemaVersionError as exc:
+        if exc.component != "ledger" or exc.found != 0:
+            raise
+        # A database only the checkpoint core uses (no ledger): a run without effects.
+        run = store.get_run(run_id)
+        state = store.load(run_id).state if run.head_seq is not None else {}
+        meta = dict(state.pop(META, None) or {})
+        waits = Waits(store).find(run_id=run_id)
+        return RunView(run, state, meta, store.history(run_id), waits, [])
+    try:
+        return Operator(store, ledger).show(run_id)
+    finally:
+        ledger.close()
+
+
+def _show_doc(store: Store, v: RunView) -> dict[str, Any]:
+    codec = store.codec
+    r = v.run
+    return {
+        "run_id": r.run_id,
+        "flow": r.flow,
+        "code_version": r.code_version,
+        "state_version": r.state_version,
+        "status": r.status.value,
+        "next_step": r.next_step,
+        "lease": {"owner": r.lease_owner, "expires_at": r.lease_expires_at},
+        "created_at": r.created_at,
+        "updated_at": r.updated_at,
+        "started_by": v.meta.get("started_by"),
+        "handoff": {
+            "goal": r.handoff.goal,
+            "done": list(r.handoff.done),
+            "next": list(r.handoff.next),
+            "ruled_out": list(r.handoff.ruled_out),
+        },
+        "history": [
+            {
+                "seq": i.seq,
+                "step": i.step,
+                "source": i.source.value,
+                "keyframe": i.keyframe,
+                "created_at": i.created_at,
+            }
+            for i in v.history
+        ],
+        "state": None if r.head_seq is None else plain(codec, v.state),
+        "waiting": plain(codec, v.meta.get("waiting")),
+        "waits": [_wait_json(codec, w) for w in v.waits],
+        "effects": [record_json(e) for e in v.effects],
+        "operator_log": plain(codec, v.meta.get("operator_log") or []),
+        "error": plain(codec, v.meta.get("error")),
+        "forked_from": plain(codec, v.meta.get("forked_from")),
+        "key_run": v.meta.get("key_run"),
+    }
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _print_view(doc: dict[str, Any]) -> None:
+    con = Console()
+    now = time.time()
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("flow", f"{doc['flow']} (code {doc['code_version']})")
+    head.add_row("status", doc["status"])
+    head.add_row("next step", doc["next_step"] or "-")
+    lease = doc["lease"]
+    if lease["owner"]:
+        head.add_row("lease", f"{lease['owner']} (until {ago(lease['expires_at'], now)})")
+    if doc["started_by"]:
+        head.add_row("started by", str(doc["started_by"]))
+    if doc["forked_from"]:
+        f = doc["forked_from"]
+        head.add_row("forked from", f"{f['run']} at checkpoint {f['seq']} by {f['by']}")
+    if doc["error"]:
+        e = doc["error"]
+        head.add_row(
+            "error", Text(f"{e.get('type')} in {e.get('step')}: {e.get('message')}", "red")
+        )
+    h = doc["handoff"]
+    for label, value in (
+        ("goal", h["goal"]),
+        ("done", "; ".join(h["done"])),
+        ("next", "; ".join(h["next"])),
+        ("ruled out", "; ".join(h["ruled_out"])),
+    ):
+        if value:
+            head.add_row(label, value)
+    con.print(Panel(head, title=f"run {doc['run_id']}", expand=False))
+
+    if doc["waits"]:
+        waits = Table(title="waits")
+        for col in ("name", "kind", "status", "details"):
+            waits.add_column(col, overflow="fold")
+        for w in doc["waits"]:
+            details: list[str] = []
+            if w["kind"] == "approval":
+                details.append(f"subject_hash {w['subject_hash']}")
+                details.append(f"requested by {w['requested_by'] or '-'}")
+                if w["due_at"] is not None:
+                    details.append(f"expires {ago(w['due_at'], now)}")
+            elif w["kind"] == "timer":
+                details.append(f"due {ago(w['due_at'], now)}")
+            if w["status"] == "delivered":
+                details.append(f"payload {json.dumps(w['payload'])}")
+            if w["decided_by"]:
+                by = f"{w['status']} by {w['decided_by']} at {_when(w['decided_at'])}"
+                details.append(by + (f": {w['reason']}" if w["reason"] else ""))
+            waits.add_row(w["name"], w["kind"], w["status"], "\n".join(details))
+        con.print(waits)
+        for w in doc["waits"]:
+            if w["kind"] == "approval" and w["status"] == "open":
+                body = Syntax(json.dumps(w["subject"], indent=2, ensure_ascii=False), "json")
+                con.print(Panel(body, title=f"to approve: {w['name']}", expand=False))
+                how = f"onceonly approve {doc['run_id']} {w['name']} --hash {w['subject_hash']}"
+                con.print(Text(how, "bold"), soft_wrap=True)  # one line, to copy
+
+    if doc["effects"]:
+        effects = Table(title="effects")
+        effects.add_column("key id", overflow="fold")
+        for col in ("effect", "step", "status", "epoch", "attempts", "updated"):
+            effects.add_column(col)
+        for e in doc["effects"]:
+            effects.add_row(
+                e["key_id"],
+                e["effect"],
+                e["step_id"] or "-",
+                e["status"],
+                str(e["epoch"]),
+                str(e["attempts"]),
+                ago(e["updated_at"], now),
+            )
+        con.print(effects)
+
+    history = Table(title="history")
+    for col in ("seq", "step", "source", "at"):
+        history.add_column(col)
+    for i in doc["history"]:
+        history.add_row(str(i["seq"]), i["step"], i["source"], _when(i["created_at"]))
+    con.print(history)
+
+    if doc["operator_log"]:
+        log = Table(title="operator log")
+        for col in ("at", "by", "action", "channel", "reason"):
+            log.add_column(col, overflow="fold")
+        for entry in doc["operator_log"]:
+            log.add_row(
+                _when(entry.get("at")),
+                str(entry.get("by")),
+                str(entry.get("action")),
+                str(entry.get("channel") or "-"),
+                str(entry.get("reason") or ""),
+            )
+        con.print(log)
+
+    if doc["state"] is not None:
+        state = json.dumps(doc["state"], indent=2, ensure_ascii=False)
+        con.print(Panel(Syntax(state, "json"), title="state", expand=False))
+
+
+@runs.command("show")
+@click.argument("run_id")
+@url_option
+@json_option
+@click.option(
+    "--tables", is_flag=True, help="Tables even when stdout is not a terminal (default there)."
+)
+def runs_show(run_id: str, url: str | None, as_json: bool, tables: bool) -> None:
+    """Show a run: status, handoff note, waits (approvals with their subject and hash),
+    effects, history, operator log, error and latest state.
+
+    On a terminal it prints tables; piped, the same document as ``--json`` (indented).
+    """
+    with Store.open(db_url(url), create=False, codec=Codec(strict=False)) as store:
+        doc = _show_doc(store, _view(store, run_id))
+    if as_json:
+        emit_json(doc)
+    elif tables or sys.stdout.isatty():
+        _print_view(doc)
+    else:
+        click.echo(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
+
+
+# -- acting ----------------------------------------------------------------------------------
+
+
+def _run_line(op: Operator, run_id: str) -> str:
+    run = op.store.get_run(run_id)
+    return f"run {run_id} is {run.status.value}" + (
+        f", next step {run.next_step}" if run.next_step else ""
+    )
+
+
+@runs.command("edit")
+@click.argument("run_id")
+@click.argument("channel")
+@click.option("--value", type=JSON, required=True, help="The channel's new value (JSON).")
+@click.option("--reason", required=True, help="Why (kept in the run's operator log).")
+@actor_option
+@url_option
+@json_option
+def runs_edit(
+    run_id: str,
+    channel: str,
+    value: Any,
+    reason: str,
+    actor: str | None,
+    url: str | None,
+    as_json: bool,
+) -> None:
+    """Set a state channel: a new checkpoint (source operator), reason and identity in
+    the run's operator log."""
+    by = identity(actor)
+    with operator(url) as op:
+        info = op.edit(run_id, channel, value, actor=by, reason=reason)
+        line = _run_line(op, run_id)
+    if as_json:
+        emit_json({"run_id": run_id, "seq": info.seq, "channel": channel, "by": by})
+        return
+    click.echo(f"set {channel!r} of run {run_id} (checkpoint {info.seq}) as {by}; {line}")
+
+
+@runs.command("cancel")
+@click.argument("run_id")
+@click.option("--reason", default="", help="Why (kept in the run's operator log).")
+@actor_option
+@url_option
+@json_option
+def runs_cancel(
+    run_id: str, reason: str, actor: str | None, url: str | None, as_json: bool
+) -> None:
+    """Cancel a run: its open waits close and no step of it runs again."""
+    by = identity(actor)
+    with operator(url) as op:
+        run = op.cancel(run_id, actor=by, reason=reason)
+    if as_json:
+        emit_json({"run_id": run_id, "status": run.status.value, "by": by})
+        return
+    click.echo(f"run {run_id} is {run.status.value} (by {by})")
+
+
+@runs.command("retry")
+@click.argument("run_id")
+@click.option("--reason", default="", help="Why (kept in the run's operator log).")
+@actor_option
+@url_option
+@json_option
+def runs_retry(run_id: str, reason: str, actor: str | None, url: str | None, as_json: bool) -> None:
+    """Make a failed run ready again at the step that failed (its recorded effects
+    replay; a worker picks it up)."""
+    by = identity(actor)
+    with operator(url) as op:
+        run = op.retry(run_id, actor=by, reason=reason)
+    if as_json:
+        emit_json(
+            {"run_id": run_id, "status": run.status.value, "next_step": run.next_step, "by": by}
+        )
+        return
+    click.echo(f"run {run_id} is {run.status.value} at step {run.next_step} (retried by {by})")
+
+
+@runs.command("fork")
+@click.argument("run_id")
+@click.option(
+    "--seq", type=click.IntRange(min=0), required=True, help="The checkpoint to start from."
+)
+@click.option("--reason", required=True, help="Why (kept in the new run).")
+@click.option("--new-id", default=None, help="The new run's id (default: generated).")
+@actor_option
+@url_option
+@json_option
+def runs_fork(
+    run_id: str,
+    seq: int,
+    reason: str,
+    new_id: str | None,
+    actor: str | None,
+    url: str | None,
+    as_json: bool,
+) -> None:
+    """Start a new run from checkpoint SEQ of RUN. It shares RUN's effect keys: a step it
+    repeats replays RUN's recorded effects, never sends them again."""
+    by = identity(actor)
+    with operator(url) as op:
+        new = op.fork(run_id, seq, actor=by, reason=reason, new_run_id=new_id)
+        line = _run_line(op, new)
+    if as_json:
+        emit_json({"run_id": new, "forked_from": {"run": run_id, "seq": seq}, "by": by})
+        return
+    click.echo(f"forked {run_id} at checkpoint {seq} as {new} (by {by}); {line}")
+
+
+@click.command("approve")
+@click.argument("run_id")
+@click.argument("name")
+@click.option(
+    "--hash",
+    "digest",
+    type=HASH,
+    required=True,
+    help="The subject_hash shown by `onceonly runs show` (binds the approval to it).",
+)
+@click.option("--reason", default="", help="Recorded with the decision.")
+@actor_option
+@url_option
+@json_option
+def approve_cmd(
+    run_id: str,
+    name: str,
+    digest: str,
+    reason: str,
+    actor: str | None,
+    url: str | None,
+    as_json: bool,
+) -> None:
+    """Approve exactly what approval NAME of RUN asks for; wakes the run.
+
+    Refused, with nothing recorded, when the hash is not that of the request, the
+    request was decided or expired, or you requested it yourself.
+    """
+    by = identity(actor)
+    with operator(url) as op:
+        wait = op.approve(run_id, name, actor=by, subject_hash=digest, reason=reason)
+        line = _run_line(op, run_id)
+        doc = _wait_json(op.store.codec, wait)
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(f"approved {name!r} of run {run_id} as {by}; {line}")
+
+
+@click.command("reject")
+@click.argument("run_id")
+@click.argument("name")
+@click.option("--reason", required=True, help="Recorded with the decision.")
+@actor_option
+@url_option
+@json_option
+def reject_cmd(
+    run_id: str, name: str, reason: str, actor: str | None, url: str | None, as_json: bool
+) -> None:
+    """Reject approval NAME of RUN; the run takes its rejection path (or fails)."""
+    by = identity(actor)
+    with operator(url) as op:
+        wait = op.reject(run_id, name, actor=by, reason=reason)
+        line = _run_line(op, run_id)
+        doc = _wait_json(op.store.codec, wait)
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(f"rejected {name!r} of run {run_id} as {by}; {line}")
+
+
+@click.command("signal")
+@click.argument("run_id")
+@click.argument("name")
+@click.option("--payload", type=JSON, default=None, help="The signal's payload (JSON).")
+@actor_option
+@url_option
+@json_option
+def signal_cmd(
+    run_id: str, name: str, payload: Any, actor: str | None, url: str | None, as_json: bool
+) -> None:
+    """Deliver signal NAME to RUN (kept until the run waits for it); delivered once."""
+    by = identity(actor)
+    with operator(url) as op:
+        wait = op.signal(run_id, name, payload, actor=by)
+        line = _run_line(op, run_id)
+        doc = _wait_json(op.store.codec, wait)
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(f"signalled {name!r} to run {run_id} as {by}; {line}")

@@ -1,0 +1,691 @@
+"""The operator tools through the CLI: approve, reject, signal, edit, cancel, retry, fork,
+gc and effects resolve, on SQLite and PostgreSQL.
+
+Runs are set up in-process with the Runtime API (flows in ``tests/operator_flows.py``)
+and driven in-process between CLI calls, as a worker would; a few tests drive the whole
+thing through the installed ``onceonly`` console script and ``onceonly worker``. The
+oracle for effects is the fake provider's outbox, never the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from checkpoint import (
+    ConfigurationError,
+    RunStatus,
+    Store,
+    WaitNotFound,
+    WaitRefused,
+    subject_hash,
+)
+from ledger import EffectStatus
+from onceonly._cli_common import format_duration, parse_duration
+from onceonly.cli import cli
+from onceonly.errors import RunNotResumable
+from onceonly.runtime import Runtime
+from tests.ledger_support import K1, Ledgers
+from tests.operator_flows import FLOWS, deliveries
+
+ROOT = Path(__file__).resolve().parent.parent
+ONCEONLY = Path(sys.executable).parent / "onceonly"
+SECRETS = f"k1:{K1.value.hex()}"
+OTHER_HASH = "0" * 64
+
+
+@dataclass
+class Env:
+    """A database with runs of the test flows, a runtime standing in for a worker, and
+    the CLI pointed at the same database."""
+
+    url: str
+    store: Store
+    runtime: Runtime
+    outbox: Path
+
+    def cli(self, *args: str, user: str = "ops", ok: bool = True) -> Result:
+        env = {
+            "ONCEONLY_DATABASE_URL": self.url,
+            "ONCEONLY_SECRETS": SECRETS,
+            "USER": user,
+            "COLUMNS": "160",  # tables wide enough that cells do not wrap
+        }
+        result = CliRunner().invoke(cli, list(args), env=env)
+        if ok:
+            assert result.exit_code == 0, (result.output, result.exception)
+        return result
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.cli(*args, "--json").stdout)
+
+    def publish(self, run_id: str, **state: Any) -> str:
+        """A publish run, driven to its approval request (requested by alice)."""
+        rid = self.runtime.start(
+            "publish",
+            {"to": "ann@x", "outbox": str(self.outbox), **state},
+            run_id=run_id,
+            started_by="alice",
+        )
+        assert self.drive(rid) is RunStatus.WAITING
+        return rid
+
+    def drive(self, run_id: str) -> RunStatus:
+        return self.runtime.drive(run_id).status
+
+    def hash_of(self, run_id: str, name: str = "send") -> str:
+        (wait,) = [w for w in self.json("runs", "show", run_id)["waits"] if w["name"] == name]
+        return str(wait["subject_hash"])
+
+    def approve(self, run_id: str, user: str = "bob") -> Result:
+        return self.cli("approve", run_id, "send", "--hash", self.hash_of(run_id), "--as", user)
+
+    def sent(self) -> list[dict[str, Any]]:
+        return deliveries(self.outbox)
+
+
+@pytest.fixture
+def env(db_url: str, store: Store, ledgers: Ledgers, tmp_path: Path) -> Env:
+    ledger = ledgers.on(store, owner="w1", clock=time.time)
+    return Env(db_url, store, Runtime(store, ledger, FLOWS, owner="w1"), tmp_path / "outbox")
+
+
+# -- approvals ------------------------------------------------------------------------------
+
+
+def test_approving_the_right_hash_continues_the_run(env: Env) -> None:
+    rid = env.publish("r1")
+    shown = env.json("runs", "show", rid)
+    (wait,) = shown["waits"]
+    draft = {"to": "ann@x", "text": "Hello ann@x"}
+    assert (wait["kind"], wait["status"], wait["subject"]) == ("approval", "open", draft)
+    assert wait["subject_hash"] == subject_hash(env.store, draft)
+    assert wait["requested_by"] == "alice"
+    assert shown["waiting"]["name"] == "send"
+    assert env.sent() == []
+
+    out = env.cli(
+        "approve", rid, "send", "--hash", wait["subject_hash"], "--as", "bob", "--reason", "ok"
+    )
+    assert "approved 'send' of run r1 as bob" in out.stdout
+    assert env.store.get_run(rid).status is RunStatus.RUNNING  # woken, for any worker
+    assert env.drive(rid) is RunStatus.WAITING  # sent, now waits for the ack
+    assert [d["to"] for d in env.sent()] == ["ann@x"]
+    (decided, ack) = env.json("runs", "show", rid)["waits"]
+    assert (decided["status"], decided["decided_by"], decided["reason"]) == (
+        "approved",
+        "bob",
+        "ok",
+    )
+    assert (ack["name"], ack["status"]) == ("ack", "open")
+
+
+def test_a_wrong_hash_is_refused_and_nothing_is_recorded(env: Env) -> None:
+    rid = env.publish("r1")
+    before = env.json("runs", "show", rid)
+    res = env.cli("approve", rid, "send", "--hash", OTHER_HASH, "--as", "bob", ok=False)
+    assert res.exit_code == 1
+    assert isinstance(res.exception, WaitRefused)
+    assert res.exception.reason == "subject_changed"
+    after = env.json("runs", "show", rid)
+    assert after["waits"] == before["waits"]
+    assert (after["status"], after["waits"][0]["decided_by"]) == ("waiting", None)
+    assert env.drive(rid) is RunStatus.WAITING
+    assert env.sent() == []
+
+
+def test_the_requester_may_not_approve_their_own_request(env: Env) -> None:
+    rid = env.publish("r1")
+    res = env.cli("approve", rid, "send", "--hash", env.hash_of(rid), "--as", "alice", ok=False)
+    assert res.exit_code == 1
+    assert isinstance(res.exception, WaitRefused)
+    assert res.exception.reason == "self_approval"
+    # $USER is the identity when --as is not given: alice again, refused again
+    res = env.cli("approve", rid, "send", "--hash", env.hash_of(rid), user="alice", ok=False)
+    assert isinstance(res.exception, WaitRefused)
+    assert env.json("runs", "show", rid)["waits"][0]["status"] == "open"
+    env.cli("approve", rid, "send", "--hash", env.hash_of(rid), user="bob")  # $USER recorded
+    assert env.json("runs", "show", rid)["waits"][0]["decided_by"] == "bob"
+
+
+def test_an_expired_approval_is_refused(env: Env) -> None:
+    rid = env.publish("r1", expires_in=0.3)
+    shown = env.json("runs", "show", rid)
+    assert shown["waits"][0]["due_at"] == pytest.approx(time.time() + 0.3, abs=0.25)
+    time.sleep(0.35)
+    res = env.cli("approve", rid, "send", "--hash", env.hash_of(rid), "--as", "bob", ok=False)
+    assert isinstance(res.exception, WaitRefused)
+    assert res.exception.reason == "expired"
+    assert env.drive(rid) is RunStatus.FAILED  # no on_expire step: the run fails
+    assert env.sent() == []
+
+
+def test_a_decision_is_final(env: Env) -> None:
+    rid = env.publish("r1")
+    env.approve(rid)
+    res = env.cli("reject", rid, "send", "--reason", "changed my mind", "--as", "carol", ok=False)
+    assert isinstance(res.exception, WaitRefused)
+    assert res.exception.reason == "decided"
+
+
+def test_reject_takes_the_rejection_path(env: Env) -> None:
+    rid = env.publish("r1")
+    doc = env.json("reject", rid, "send", "--reason", "wrong recipient", "--as", "carol")
+    assert (doc["status"], doc["decided_by"], doc["reason"]) == (
+        "rejected",
+        "carol",
+        "wrong recipient",
+    )
+    assert env.drive(rid) is RunStatus.COMPLETED
+    assert env.store.load(rid).state["result"] == "rejected"
+    assert env.sent() == []
+
+
+def test_reject_needs_a_reason(env: Env) -> None:
+    rid = env.publish("r1")
+    res = env.cli("reject", rid, "send", "--as", "carol", ok=False)
+    assert res.exit_code == 2
+    assert "--reason" in res.output
+
+
+# -- signals ----------------------------------------------------------------------------------
+
+
+def test_signal_delivers_its_payload_once(env: Env) -> None:
+    rid = env.publish("r1")
+    env.approve(rid)
+    assert env.drive(rid) is RunStatus.WAITING
+    out = env.cli("signal", rid, "ack", "--payload", '{"ok": true, "n": 3}', "--as", "dave")
+    assert "signalled 'ack' to run r1 as dave" in out.stdout
+    assert env.drive(rid) is RunStatus.COMPLETED
+    result = env.store.load(rid).state["result"]
+    assert result["ack"] == {"ok": True, "n": 3}
+    again = env.cli("signal", rid, "ack", "--payload", "1", ok=False)
+    assert isinstance(again.exception, WaitRefused)
+    assert again.exception.reason == "decided"
+    assert len(env.sent()) == 1
+
+
+def test_a_signal_may_arrive_before_the_run_waits_for_it(env: Env) -> None:
+    rid = env.publish("r1")
+    doc = env.json("signal", rid, "ack")  # no payload: null, delivered, kept
+    assert (doc["status"], doc["payload"], doc["decided_by"]) == ("delivered", None, "ops")
+    env.approve(rid)
+    assert env.drive(rid) is RunStatus.COMPLETED  # the ack was there already
+
+
+def test_signals_to_unknown_runs_or_approvals_are_refused(env: Env) -> None:
+    rid = env.publish("r1")
+    res = env.cli("signal", "no-such-run", "ack", ok=False)
+    assert res.exit_code == 1
+    assert "no-such-run" in str(res.exception)
+    res = env.cli("signal", rid, "send", ok=False)  # an approval is not signalled
+    assert isinstance(res.exception, WaitRefused)
+    assert res.exception.reason == "kind_mismatch"
+    res = env.cli("approve", rid, "nope", "--hash", OTHER_HASH, "--as", "bob", ok=False)
+    assert isinstance(res.exception, WaitNotFound)
+
+
+# -- edit, retry, cancel, fork ----------------------------------------------------------------
+
+
+def test_edit_then_retry_repairs_a_failed_run(env: Env) -> None:
+    rid = env.runtime.start("repair", {"broken": True}, run_id="r2")
+    assert env.drive(rid) is RunStatus.FAILED
+    shown = env.json("runs", "show", rid)
+    assert shown["error"]["message"] == "the input is broken"
+    out = env.cli(
+        "runs",
+        "edit",
+        rid,
+        "broken",
+        "--value",
+        "false",
+        "--reason",
+        "fixed upstream",
+        "--as",
+        "erin",
+    )
+    assert "set 'broken' of run r2" in out.stdout
+    shown = env.json("runs", "show", rid)
+    assert shown["state"]["broken"] is False
+    assert shown["status"] == "failed"  # an edit does not resume the run
+    last = shown["history"][-1]
+    assert (last["step"], last["source"]) == ("operator:edit", "operator")
+    (entry,) = shown["operator_log"]
+    assert (entry["by"], entry["action"], entry["channel"], entry["reason"]) == (
+        "erin",
+        "operator:edit",
+        "broken",
+        "fixed upstream",
+    )
+    doc = env.json("runs", "retry", rid, "--as", "erin")
+    assert (doc["status"], doc["next_step"]) == ("running", "check")
+    assert env.drive(rid) is RunStatus.COMPLETED
+    assert env.store.load(rid).state["result"]["fixed"] is True
+    log = env.json("runs", "show", rid)["operator_log"]
+    assert [e["action"] for e in log] == ["operator:edit", "operator:retry"]
+
+
+def test_retry_and_edit_refuse_what_they_cannot_do(env: Env) -> None:
+    rid = env.publish("r1")
+    res = env.cli("runs", "retry", rid, "--as", "erin", ok=False)
+    assert isinstance(res.exception, RunNotResumable)
+    assert res.exit_code == 1
+    res = env.cli(
+        "runs",
+        "edit",
+        rid,
+        "_onceonly",
+        "--value",
+        "{}",
+        "--reason",
+        "x",
+        "--as",
+        "erin",
+        ok=False,
+    )
+    assert isinstance(res.exception, ConfigurationError)
+    res = env.cli("runs", "edit", rid, "to", "--value", '"x"', "--as", "erin", ok=False)
+    assert res.exit_code == 2  # no --reason
+    assert env.json("runs", "show", rid)["operator_log"] == []
+
+
+def test_cancel_closes_the_waits_and_nothing_runs_again(env: Env) -> None:
+    rid = env.publish("r1")
+    doc = env.json("runs", "cancel", rid, "--as", "frank", "--reason", "customer left")
+    assert doc == {"run_id": rid, "status": "cancelled", "by": "frank"}
+    shown = env.json("runs", "show", rid)
+    assert [(w["status"], w["decided_by"]) for w in shown["waits"]] == [("cancelled", "frank")]
+    assert shown["operator_log"][-1]["reason"] == "customer left"
+    assert env.drive(rid) is RunStatus.CANCELLED
+    res = env.cli("approve", rid, "send", "--hash", env.hash_of(rid), "--as", "bob", ok=False)
+    assert isinstance(res.exception, WaitRefused)
+    res = env.cli("runs", "cancel", rid, ok=False)
+    assert isinstance(res.exception, RunNotResumable)
+    assert env.sent() == []
+
+
+def test_a_fork_asks_again_and_replays_what_its_origin_sent(env: Env) -> None:
+    rid = env.publish("r1")
+    env.approve(rid)
+    assert env.drive(rid) is RunStatus.WAITING
+    env.cli("signal", rid, "ack", "--payload", '"thanks"')
+    assert env.drive(rid) is RunStatus.COMPLETED
+    assert len(env.sent()) == 1
+    history = env.json("runs", "show", rid)["history"]
+    (draft_seq,) = [h["seq"] for h in history if h["step"] == "draft"]
+
+    doc = env.json(
+        "runs",
+        "fork",
+        rid,
+        "--seq",
+        str(draft_seq),
+        "--reason",
+        "resend?",
+        "--as",
+        "gina",
+        "--new-id",
+        "r1-again",
+    )
+    assert doc["run_id"] == "r1-again"
+    fork = env.json("runs", "show", "r1-again")
+    assert fork["status"] == "waiting"
+    assert fork["forked_from"] == {"run": rid, "seq": draft_seq, "by": "gina", "reason": "resend?"}
+    assert [(w["name"], w["status"]) for w in fork["waits"]] == [("send", "open")]  # asks again
+    env.approve("r1-again", user="hank")
+    assert env.drive("r1-again") is RunStatus.WAITING
+    assert len(env.sent()) == 1  # the origin's delivery replayed; nothing sent again
+    origin_receipt = env.store.load(rid).state["receipt"]
+    assert env.store.load("r1-again").state["receipt"] == origin_receipt
+    env.cli("signal", "r1-again", "ack", "--payload", '"again"')
+    assert env.drive("r1-again") is RunStatus.COMPLETED
+    assert len(env.sent()) == 1
+
+
+def test_a_fork_needs_a_next_step_and_a_reason(env: Env) -> None:
+    rid = env.runtime.start("repair", {"broken": False}, run_id="r2")
+    assert env.drive(rid) is RunStatus.COMPLETED
+    last = env.json("runs", "show", rid)["history"][-1]["seq"]
+    res = env.cli("runs", "fork", rid, "--seq", str(last), "--reason", "x", ok=False)
+    assert isinstance(res.exception, ConfigurationError)
+    assert env.cli("runs", "fork", rid, "--seq", "0", ok=False).exit_code == 2  # no reason
+    assert env.cli("runs", "fork", rid, "--seq", "-1", "--reason", "x", ok=False).exit_code == 2
+    assert [r.run_id for r in env.store.list_runs()] == [rid]
+
+
+# -- effects resolve wakes a parked run -------------------------------------------------------
+
+
+def _park(env: Env, mode: str) -> tuple[str, str]:
+    """A publish run whose delivery timed out (``lose``: applied, ``drop``: not)."""
+    rid = env.publish("r1")
+    Path(f"{env.outbox}.{mode}").touch()
+    env.approve(rid)
+    assert env.drive(rid) is RunStatus.WAITING
+    shown = env.json("runs", "show", rid)
+    (effect,) = shown["effects"]
+    assert effect["status"] == "needs_human"
+    assert shown["waiting"]["effect"] == effect["key_id"]
+    listed = env.json("runs", "list", "--status", "waiting")
+    assert [w["name"] for w in listed[0]["waiting_on"]] == [shown["waiting"]["name"]]
+    return rid, str(effect["key_id"])
+
+
+def test_resolving_happened_wakes_the_run_and_replays_the_effect(env: Env) -> None:
+    rid, key = _park(env, "lose")
+    assert len(env.sent()) == 1  # the provider has it; the answer was lost
+    doc = env.json(
+        "effects",
+        "resolve",
+        key,
+        "--happened",
+        "--evidence",
+        "in the outbox",
+        "--as",
+        "ivy",
+        "--result",
+        '{"id": 1, "to": "ann@x"}',
+    )
+    assert doc["status"] == EffectStatus.COMMITTED.value
+    assert env.store.get_run(rid).status is RunStatus.RUNNING  # woken
+    assert env.drive(rid) is RunStatus.WAITING  # now on the ack
+    assert len(env.sent()) == 1
+    assert env.store.load(rid).state["receipt"] == {"id": 1, "to": "ann@x"}
+
+
+def test_resolving_not_happened_wakes_the_run_and_sends_once(env: Env) -> None:
+    rid, key = _park(env, "drop")
+    assert env.sent() == []
+    out = env.cli(
+        "effects",
+        "resolve",
+        key,
+        "--not-happened",
+        "--evidence",
+        "not in the outbox",
+        "--actor",
+        "ivy",
+    )
+    assert "resolved by ivy" in out.stdout
+    assert env.drive(rid) is RunStatus.WAITING
+    assert len(env.sent()) == 1
+
+
+# -- gc ---------------------------------------------------------------------------------------
+
+
+def test_gc_removes_only_old_finished_runs(env: Env, tmp_path: Path) -> None:
+    done = env.runtime.start("repair", {"broken": False}, run_id="done")
+    assert env.drive(done) is RunStatus.COMPLETED
+    waiting = env.publish("r1")
+    cancelled = env.publish("r3")
+    env.cli("runs", "cancel", cancelled, "--reason", "x")
+    nothing = env.json("gc", "--older-than", "30d")
+    assert nothing["runs_deleted"] == 0
+    time.sleep(0.05)
+    archive = tmp_path / "archive.jsonl"
+    report = env.json("gc", "--older-than", "0s", "--archive", str(archive))
+    assert (report["runs_deleted"], report["runs_archived"]) == (2, 2)
+    assert report["waits_deleted"] == 1  # the cancelled run's approval request
+    assert [r.run_id for r in env.store.list_runs()] == [waiting]
+    archived = [json.loads(line)["run"]["run_id"] for line in archive.read_text().splitlines()]
+    assert sorted(archived) == sorted([done, cancelled])
+    assert env.json("runs", "show", waiting)["waits"][0]["status"] == "open"
+    env.approve(waiting)  # a waiting run and its open approval are untouched
+    assert env.drive(waiting) is RunStatus.WAITING
+
+
+def test_gc_keeps_what_a_live_fork_replays_from(env: Env, ledgers: Ledgers) -> None:
+    rid = env.publish("r1")
+    env.approve(rid)
+    env.drive(rid)
+    env.cli("signal", rid, "ack")
+    assert env.drive(rid) is RunStatus.COMPLETED
+    history = env.json("runs", "show", rid)["history"]
+    (seq,) = [h["seq"] for h in history if h["step"] == "draft"]
+    env.cli("runs", "fork", rid, "--seq", str(seq), "--reason", "again", "--new-id", "f1")
+    time.sleep(0.05)
+    # The origin is finished and old enough, but the live fork replays from its entries.
+    assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 0
+    env.approve("f1")
+    fresh = ledgers.fresh(owner="w2", clock=time.time)  # another worker: no caches
+    worker = Runtime(fresh.store, fresh, FLOWS, owner="w2")
+    worker.drive("f1")
+    assert len(env.sent()) == 1
+    env.cli("signal", "f1", "ack")
+    assert worker.drive("f1").status is RunStatus.COMPLETED
+    time.sleep(0.05)
+    # Once both are finished and old, a gc pass removes the fork, and the next the origin.
+    assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 1
+    assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 1
+
+
+def test_gc_human_output(env: Env) -> None:
+    out = env.cli("gc", "--older-than", "1h30m").stdout
+    assert "removed 0 run(s)" in out
+    assert "older than 1h30m" in out
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def test_runs_list_shows_what_runs_wait_on_and_who_holds_them(env: Env) -> None:
+    rid = env.publish("r1")
+    other = env.runtime.start("repair", {"broken": False}, run_id="held")
+    env.store.acquire_lease(other, "worker-9", 60)
+    listed = {r["run_id"]: r for r in env.json("runs", "list")}
+    assert listed[rid]["waiting_on"] == [{"name": "send", "kind": "approval", "due_at": None}]
+    assert listed[other]["lease_owner"] == "worker-9"
+    assert listed[other]["lease_expires_at"] > time.time()
+    assert [r["run_id"] for r in env.json("runs", "list", "--flow", "repair")] == [other]
+    assert [r["run_id"] for r in env.json("runs", "list", "--status", "waiting")] == [rid]
+    table = env.cli("runs", "list").stdout
+    assert "approval send" in table
+    assert "worker-9" in table
+
+
+def test_runs_show_tables_show_the_approval_to_give(env: Env) -> None:
+    rid = env.publish("r1")
+    out = env.cli("runs", "show", rid, "--tables").stdout
+    digest = env.hash_of(rid)
+    assert f"onceonly approve {rid} send --hash {digest}" in out  # one line, to copy
+    for text in ("send a greeting to ann@x", "approval", "Hello ann@x", "history", "alice"):
+        assert text in out
+    env.approve(rid)
+    env.drive(rid)
+    out = env.cli("runs", "show", rid, "--tables").stdout
+    assert "deliver@1" in out
+    assert "approved by bob" in out
+
+
+def test_every_read_command_has_json(env: Env, tmp_path: Path) -> None:
+    rid = env.publish("r1")
+    env.approve(rid)
+    env.drive(rid)
+    assert env.json("runs", "list")[0]["run_id"] == rid
+    assert env.json("runs", "show", rid)["effects"][0]["effect"] == "deliver@1"
+    (effect,) = env.json("effects", "list")
+    assert env.json("effects", "show", effect["key_id"])["effect"]["key_id"] == effect["key_id"]
+    assert env.json("audit", "verify")["ok"] is True
+    exported = env.json("audit", "export", "--out", str(tmp_path / "audit.jsonl"))
+    assert exported["exported"] == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["signal", "r1", "ack", "--payload", "{nope"], "is not JSON", id="payload"),
+        pytest.param(
+            ["runs", "edit", "r1", "to", "--value", "x", "--reason", "r"], "is not JSON", id="value"
+        ),
+        pytest.param(["approve", "r1", "send", "--hash", "abc"], "not a subject hash", id="hash"),
+        pytest.param(["gc", "--older-than", "30"], "not a duration", id="bare-number"),
+        pytest.param(["gc", "--older-than", "30x"], "not a duration", id="unit"),
+        pytest.param(
+            ["runs", "fork", "r1", "--seq", "x", "--reason", "r"], "'x' is not a valid", id="seq"
+        ),
+        pytest.param(["runs", "list", "--status", "asleep"], "'asleep' is not one of", id="status"),
+        pytest.param(
+            ["effects", "resolve", "k", "--evidence", "e"], "--happened or", id="resolve-which"
+        ),
+    ],
+)
+def test_malformed_arguments_are_usage_errors(env: Env, args: list[str], message: str) -> None:
+    env.publish("r1")
+    res = env.cli(*args, ok=False)
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+    assert env.json("runs", "show", "r1")["operator_log"] == []
+
+
+def test_an_empty_identity_is_refused(env: Env) -> None:
+    rid = env.publish("r1")
+    res = env.cli("runs", "cancel", rid, "--as", " ", ok=False)
+    assert isinstance(res.exception, ConfigurationError)
+    assert env.store.get_run(rid).status is RunStatus.WAITING
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30d", 30 * 86400.0),
+        ("12h", 43200.0),
+        ("90m", 5400.0),
+        ("45s", 45.0),
+        ("1h30m", 5400.0),
+        ("2w", 1209600.0),
+        ("0s", 0.0),
+        ("1.5h", 5400.0),
+        (" 10M ", 600.0),
+    ],
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "30", "d", "30 d", "-1d", "1y", "1h 30m", "h1"])
+def test_malformed_durations(text: str) -> None:
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration(text)
+
+
+def test_format_duration() -> None:
+    assert [format_duration(s) for s in (0, 45, 5400, 90061, 30 * 86400)] == [
+        "0s",
+        "45s",
+        "1h30m",
+        "1d1h",
+        "30d",
+    ]
+
+
+# -- through the installed console script and a worker ----------------------------------------
+
+
+def _script(url: str, *args: str, user: str = "ops") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update(
+        ONCEONLY_DATABASE_URL=url,
+        ONCEONLY_SECRETS=SECRETS,
+        USER=user,
+        PYTHONPATH=str(ROOT),
+        ONCEONLY_WORKER_NAME="cli-test",
+    )
+    return subprocess.run(
+        [str(ONCEONLY), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def _ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error:")
+    for n in needles:
+        assert n in line
+
+
+@pytest.mark.slow
+def test_the_console_script_drives_a_run_with_a_worker(env: Env) -> None:
+    rid = env.publish("r1")
+    env.store.close()  # from here on, only other processes touch the database
+    worker = ("worker", "--flows", "tests.operator_flows:FLOWS", "--until-idle", "--poll-s", "0.1")
+    shown = json.loads(_ok(_script(env.url, "runs", "show", rid, "--json")))
+    digest = shown["waits"][0]["subject_hash"]
+
+    _one_line_error(
+        _script(env.url, "approve", rid, "send", "--hash", OTHER_HASH, "--as", "bob"),
+        "is not the hash of what was requested",
+    )
+    _one_line_error(
+        _script(env.url, "approve", rid, "send", "--hash", digest, user="alice"),
+        "may not approve",
+        "alice",
+    )
+
+    _ok(_script(env.url, "approve", rid, "send", "--hash", digest, user="bob"))
+    _ok(_script(env.url, *worker))
+    assert len(env.sent()) == 1
+    _ok(_script(env.url, "signal", rid, "ack", "--payload", '{"ok": 1}'))
+    _ok(_script(env.url, *worker))
+    shown = json.loads(_ok(_script(env.url, "runs", "show", rid, "--json")))
+    assert shown["status"] == "completed"
+    assert shown["state"]["result"]["ack"] == {"ok": 1}
+    assert [(w["name"], w["decided_by"]) for w in shown["waits"]] == [
+        ("send", "bob"),
+        ("ack", "ops"),
+    ]
+    assert len(env.sent()) == 1
+
+
+@pytest.mark.slow
+def test_the_console_script_resolves_a_parked_run(env: Env) -> None:
+    rid, key = _park(env, "lose")
+    env.store.close()
+    worker = ("worker", "--flows", "tests.operator_flows:FLOWS", "--until-idle", "--poll-s", "0.1")
+    assert len(env.sent()) == 1
+    _one_line_error(
+        _script(env.url, "effects", "resolve", key, "--happened", "--evidence", " "),
+        "evidence",
+    )
+    _ok(
+        _script(
+            env.url,
+            "effects",
+            "resolve",
+            key,
+            "--happened",
+            "--evidence",
+            "seen in the outbox",
+            "--result",
+            '{"id": 1, "to": "ann@x"}',
+            user="ivy",
+        )
+    )
+    _ok(_script(env.url, *worker))
+    shown = json.loads(_ok(_script(env.url, "runs", "show", rid, "--json")))
+    assert (shown["status"], shown["waiting"]["name"]) == ("waiting", "ack")
+    assert shown["state"]["receipt"] == {"id": 1, "to": "ann@x"}
+    assert len(env.sent()) == 1
