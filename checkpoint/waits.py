@@ -395,7 +395,7 @@ class Waits:
         transaction (``BEGIN IMMEDIATE``) serialises them.
 
         Returns:
-            The leased run ids, oldest update first.
+            The leased run ids, oldest update first (runs it held already last).
         """
         if ttl_s <= 0 or limit < 1:
             raise ConfigurationError("claim_ready needs ttl_s > 0 and limit >= 1")
@@ -412,11 +412,14 @@ class Waits:
             f"OR (r.status = 'waiting' AND {free} "
             f"AND EXISTS (SELECT 1 FROM oo_waits w WHERE w.run_id = r.run_id "
             f"AND w.status = 'open' AND w.due_at IS NOT NULL AND w.due_at <= {q})) "
-            f"ORDER BY r.updated_at, r.run_id LIMIT {int(limit)}{lock}"
+            # Runs it holds already come last: a worker holding ``limit`` runs (skipped,
+            # or being driven) must still see the others.
+            f"ORDER BY CASE WHEN r.lease_owner = {q} THEN 1 ELSE 0 END, r.updated_at, "
+            f"r.run_id LIMIT {int(limit)}{lock}"
         )
 
         def txn(cur: Any) -> list[str]:
-            cur.execute(pick, (now, owner, now, owner, now))
+            cur.execute(pick, (now, owner, now, owner, now, owner))
             ids = [str(r[0]) for r in cur.fetchall()]
             for rid in ids:
                 cur.execute(

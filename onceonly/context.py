@@ -267,6 +267,8 @@ class StepContext(_Recording):
                 classify=_read_failed,
                 probe=_not_happened,
                 key=lambda: f"{pos.tenant}\x1f{pos.key_run}\x1f{memo_step}\x1f{name}",
+                tenant=pos.tenant,
+                subject=pos.key_run,  # the output is the run's data: erased with the run's
             )(body)
             return memo()
 
@@ -295,7 +297,20 @@ class BranchContext(_Recording):
 
 
 def _recorded_keys(ledger: Ledger, key_run: str, step_id: str) -> list[str]:
-    """Key ids an earlier attempt of ``step_id`` recorded, in the order it asked."""
+    """Key ids an earlier attempt of ``step_id`` recorded, in the order it asked.
+
+    The order is the order of their ``claimed`` events in the run's audit chain: creation
+    times tie (a coarse or test clock) and can step backwards (NTP), and a wrong order
+    would make a correct resume look diverged.
+    """
     rows = [r for r in ledger.effects(run_id=key_run) if r.step_id == step_id]
-    rows.sort(key=lambda r: (r.created_at, r.key_id))
+    if len(rows) < 2:
+        return [r.key_id for r in rows]
+    mine = {r.key_id for r in rows}
+    first: dict[str, int] = {}
+    for event in ledger.audit_events(key_run):
+        kid = str(event["key_id"])
+        if kid in mine and kid not in first:
+            first[kid] = int(event["seq"])
+    rows.sort(key=lambda r: (first.get(r.key_id, -1), r.created_at, r.key_id))
     return [r.key_id for r in rows]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from checkpoint import ConfigurationError, StateMigrations
 
@@ -117,9 +117,17 @@ class Flow:
         self.steps: dict[str, Step] = {}
         self.start: str | None = None
 
+    @overload
+    def step(self, fn: Step, /) -> Step: ...
+
+    @overload
+    def step(
+        self, fn: None = None, /, *, name: str | None = None, start: bool = False
+    ) -> Callable[[Step], Step]: ...
+
     def step(
         self, fn: Step | None = None, /, *, name: str | None = None, start: bool = False
-    ) -> Any:
+    ) -> Step | Callable[[Step], Step]:
         """Register a step (decorator). The first registered step starts unless another
         says ``start=True``."""
 

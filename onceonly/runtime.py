@@ -27,22 +27,30 @@ from opentelemetry import trace
 
 from adapters import StepDiverged, step
 from checkpoint import (
+    CodecError,
     ConcurrentWrite,
     ConfigurationError,
     Handoff,
     Run,
     RunExists,
     RunStatus,
-    Source,
     Store,
     StoreError,
     Wait,
     WaitKind,
+    WaitRefused,
     Waits,
     WaitStatus,
     notify_ready,
 )
-from ledger import EffectInDoubt, KeyReuseError, Ledger, LedgerError, LedgerUnavailable
+from ledger import (
+    EffectInDoubt,
+    EffectStatus,
+    KeyReuseError,
+    Ledger,
+    LedgerError,
+    LedgerUnavailable,
+)
 
 from .context import StepContext, _Position, _recorded_keys
 from .errors import ApprovalMismatch, FlowNotRegistered
@@ -54,16 +62,22 @@ META = "_onceonly"
 """The reserved state channel holding the runtime's bookkeeping."""
 
 _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+_IN_DOUBT = (EffectStatus.UNKNOWN, EffectStatus.NEEDS_HUMAN, EffectStatus.CLAIMED)
 _tracer = trace.get_tracer("onceonly.runtime")
 
 
 def default_owner() -> str:
-    """A worker identity that is stable across restarts on this host (``host:worker``).
+    """This process's worker identity: ``host:$ONCEONLY_WORKER_NAME`` when that is set
+    (stable across restarts), else ``host:pid``.
 
     A restarted worker with the same owner finds its predecessor's unfinished claims in
-    doubt at once instead of waiting for their leases to lapse.
+    doubt at once instead of waiting for their leases to lapse, so a stable name must
+    belong to one live process at a time: two live workers sharing a name would take
+    each other's live claims for a dead predecessor's. Without a configured name every
+    process gets its own.
     """
-    return f"{socket.gethostname()}:{os.environ.get('ONCEONLY_WORKER_NAME', 'worker')}"
+    name = os.environ.get("ONCEONLY_WORKER_NAME") or str(os.getpid())
+    return f"{socket.gethostname()}:{name}"
 
 
 class Runtime:
@@ -144,7 +158,10 @@ class Runtime:
             "next": f.start,
         }
         initial[META] = meta
-        self.store.save(rid, initial, step="start", next_step=f.start, status=RunStatus.RUNNING)
+        try:
+            self.store.save(rid, initial, step="start", next_step=f.start, status=RunStatus.RUNNING)
+        except ConcurrentWrite:
+            return rid  # another process started the same run id at the same moment
         self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
         return rid
 
@@ -187,13 +204,36 @@ class Runtime:
         snap = self.store.load(run_id, migrations=flow.migrations)
         state = snap.state
         meta = dict(state.pop(META, None) or {})
+        parent = snap.info.seq
         if meta.get("waiting"):
-            return self._settle_wait(run, state, meta)
-        if run.status is not RunStatus.RUNNING or run.next_step is None:
+            return self._settle_wait(run, state, meta, parent)
+        if run.status is not RunStatus.RUNNING:
             return False
-        return self._run_step(run, flow, state, meta)
+        if run.next_step is None:
+            # Running with nothing to run (a run retried after it failed at a wait): fail
+            # it again rather than let workers claim it forever.
+            meta["error"] = {
+                "step": None,
+                "type": "NothingToRun",
+                "message": "the run has no next step; fork it from an earlier checkpoint",
+            }
+            self._save(
+                run,
+                "nothing-to-run",
+                state,
+                meta,
+                None,
+                RunStatus.FAILED,
+                run.handoff,
+                parent=parent,
+                only_meta=True,
+            )
+            return False
+        return self._run_step(run, flow, state, meta, parent)
 
-    def _run_step(self, run: Run, flow: Flow, state: dict[str, Any], meta: dict[str, Any]) -> bool:
+    def _run_step(
+        self, run: Run, flow: Flow, state: dict[str, Any], meta: dict[str, Any], parent: int
+    ) -> bool:
         name = str(run.next_step)
         fn = flow.get(name)
         visits = dict(meta.get("visits") or {})
@@ -223,14 +263,36 @@ class Runtime:
             except (LedgerUnavailable, StoreError):
                 raise  # fail closed: nothing more is acted on by this worker
             except EffectInDoubt as doubt:
-                return self._park_in_doubt(run, state, meta, doubt)
+                return self._park_in_doubt(run, meta, doubt, parent)
             except (StepDiverged, KeyReuseError, ApprovalMismatch, LedgerError) as exc:
-                return self._fail(run, state, meta, name, exc)
+                return self._fail(run, meta, name, exc, parent)
             except Exception as exc:  # noqa: BLE001  (a step's own error fails the run)
-                return self._fail(run, state, meta, name, exc)
-        visits[name] = visit + 1
-        meta["visits"] = visits
-        return self._transition(run, flow, name, ctx, meta, transition)
+                return self._fail(run, meta, name, exc, parent)
+        if isinstance(transition, Fail):
+            # Like an error: the step's changes are dropped and the visit is not counted,
+            # so a retry runs the same visit again and its effects replay.
+            meta["error"] = {"step": name, "type": "Fail", "message": transition.reason}
+            self._save(
+                run,
+                f"{name}:failed",
+                state,
+                meta,
+                name,
+                RunStatus.FAILED,
+                ctx.handoff,
+                parent=parent,
+                only_meta=True,
+            )
+            return False
+        done = dict(meta)
+        done["visits"] = {**visits, name: visit + 1}
+        try:
+            return self._transition(run, flow, name, ctx, done, transition, parent)
+        except (ConfigurationError, WaitRefused, CodecError) as exc:
+            # The step's code asked for something impossible (a missing step, a wait name
+            # reused for another kind or subject, an unencodable value): nothing of the
+            # step is kept and the run fails for a person to look at.
+            return self._fail(run, meta, name, exc, parent)
 
     def _transition(
         self,
@@ -240,20 +302,21 @@ class Runtime:
         ctx: StepContext,
         meta: dict[str, Any],
         t: Transition,
+        parent: int,
     ) -> bool:
         state = dict(ctx.state)
         if isinstance(t, Next):
             flow.get(t.step)  # a typo fails here, before the checkpoint
             meta["next"] = t.step
-            return self._save(run, name, state, meta, t.step, RunStatus.RUNNING, ctx.handoff)
+            return self._save(
+                run, name, state, meta, t.step, RunStatus.RUNNING, ctx.handoff, parent=parent
+            )
         if isinstance(t, End):
             state["result"] = t.result
             meta["next"] = None
-            self._save(run, name, state, meta, None, RunStatus.COMPLETED, ctx.handoff)
-            return False
-        if isinstance(t, Fail):
-            meta["error"] = {"step": name, "type": "Fail", "message": t.reason}
-            self._save(run, name, state, meta, None, RunStatus.FAILED, ctx.handoff)
+            self._save(
+                run, name, state, meta, None, RunStatus.COMPLETED, ctx.handoff, parent=parent
+            )
             return False
         if isinstance(t, WaitFor):
             flow.get(t.then)
@@ -277,7 +340,9 @@ class Runtime:
                 "on_expire": t.on_expire,
             }
             meta["next"] = t.then
-            if not self._save(run, name, state, meta, t.then, RunStatus.WAITING, ctx.handoff):
+            if not self._save(
+                run, name, state, meta, t.then, RunStatus.WAITING, ctx.handoff, parent=parent
+            ):
                 return False
             # A decision that landed between opening the wait and saving the checkpoint
             # found the run still running: wake it here.
@@ -287,7 +352,9 @@ class Runtime:
             f"ctx.end(), ctx.fail(...) or a ctx.wait_for_*/sleep(...) transition"
         )
 
-    def _settle_wait(self, run: Run, state: dict[str, Any], meta: dict[str, Any]) -> bool:
+    def _settle_wait(
+        self, run: Run, state: dict[str, Any], meta: dict[str, Any], parent: int
+    ) -> bool:
         waiting = dict(meta["waiting"])
         name = str(waiting["name"])
         wait = self.waits.fire_if_due(run.run_id, name)
@@ -315,7 +382,7 @@ class Runtime:
         meta["next"] = nxt
         if status is RunStatus.FAILED:
             meta["error"] = {"step": f"wait:{name}", "type": "Wait", "message": wait.status.value}
-        ok = self._save(run, f"wait:{name}", state, meta, nxt, status, run.handoff)
+        ok = self._save(run, f"wait:{name}", state, meta, nxt, status, run.handoff, parent=parent)
         return ok and status is RunStatus.RUNNING
 
     @staticmethod
@@ -330,14 +397,21 @@ class Runtime:
         return None, RunStatus.FAILED
 
     def _park_in_doubt(
-        self, run: Run, state: dict[str, Any], meta: dict[str, Any], doubt: EffectInDoubt
+        self, run: Run, meta: dict[str, Any], doubt: EffectInDoubt, parent: int
     ) -> bool:
         """An effect needs a human: the run waits (holding nothing) until an operator
         resolves it (:meth:`Operator.resolve` signals the run), then re-runs the step."""
         key_id = str(doubt.key_id)
-        epoch = self.ledger.get(key_id).epoch
-        name = f"effect:{key_id[:16]}:{epoch}"
-        self.waits.open(run.run_id, name, WaitKind.SIGNAL)
+        record = self.ledger.get(key_id)
+        base = f"effect:{key_id[:16]}:{record.epoch}"
+        name, n = base, 1
+        while self.waits.open(run.run_id, name, WaitKind.SIGNAL).settled:
+            if record.status not in _IN_DOUBT:
+                break
+            # Its wait was signalled without the effect being resolved (by hand): wait
+            # again under a new name, or the run would wake, re-run and park in a loop.
+            n += 1
+            name = f"{base}.{n}"
         step_name = str(run.next_step)
         meta["waiting"] = {
             "name": name,
@@ -347,16 +421,42 @@ class Runtime:
         }
         meta["next"] = step_name
         if not self._save(
-            run, f"{step_name}:in-doubt", state, meta, step_name, RunStatus.WAITING, run.handoff
+            run,
+            f"{step_name}:in-doubt",
+            {},
+            meta,
+            step_name,
+            RunStatus.WAITING,
+            run.handoff,
+            parent=parent,
+            only_meta=True,
         ):
             return False
+        if self.ledger.get(key_id).status not in _IN_DOUBT:
+            # Resolved between the step's failure and the open wait: Operator.resolve found
+            # no wait to signal, so settle it here or the run would wait forever.
+            with contextlib.suppress(WaitRefused):
+                self.waits.signal(run.run_id, name, {"resolved": key_id}, actor=self.owner)
         return self.waits.wake_if_settled(run.run_id, name)
 
     def _fail(
-        self, run: Run, state: dict[str, Any], meta: dict[str, Any], name: str, exc: BaseException
+        self, run: Run, meta: dict[str, Any], name: str, exc: BaseException, parent: int
     ) -> bool:
+        """Fail the run at step ``name``: nothing the step did to the state is kept (it
+        may have changed values in place), the visit is not counted, and a retry runs
+        the same visit again (its recorded effects replay)."""
         meta["error"] = {"step": name, "type": type(exc).__name__, "message": str(exc)[:2000]}
-        self._save(run, f"{name}:failed", state, meta, run.next_step, RunStatus.FAILED, run.handoff)
+        self._save(
+            run,
+            f"{name}:failed",
+            {},
+            meta,
+            run.next_step,
+            RunStatus.FAILED,
+            run.handoff,
+            parent=parent,
+            only_meta=True,
+        )
         return False
 
     def _save(
@@ -368,19 +468,45 @@ class Runtime:
         next_step: str | None,
         status: RunStatus,
         handoff: Handoff,
-        source: Source = Source.STEP,
+        *,
+        parent: int,
+        only_meta: bool = False,
     ) -> bool:
-        state[META] = meta
+        """Checkpoint on top of checkpoint ``parent`` (the one the step started from), or
+        return False if another writer advanced the run meanwhile.
+
+        With ``only_meta`` the state is left as the parent has it and only the runtime's
+        bookkeeping changes (a failed or parked step: values it changed in place must
+        not leak into the checkpoint).
+        """
+        store = self.store
         try:
-            self.store.save(
-                run.run_id,
-                state,
-                step=step_name,
-                next_step=next_step,
-                status=status,
-                handoff=handoff,
-                source=source,
-            )
+            # Another process's checkpoint is caught by the store (ConcurrentWrite); one
+            # written through this same Store object (an Operator sharing it) has already
+            # moved the store's cached head, so compare heads under the store's lock.
+            with store._lock:
+                head = store._head(run.run_id)
+                if head is None or head.seq != parent:
+                    return False
+                if only_meta:
+                    store.update(
+                        run.run_id,
+                        step=step_name,
+                        set={META: meta},
+                        next_step=next_step,
+                        status=status,
+                        handoff=handoff,
+                    )
+                else:
+                    state[META] = meta
+                    store.save(
+                        run.run_id,
+                        state,
+                        step=step_name,
+                        next_step=next_step,
+                        status=status,
+                        handoff=handoff,
+                    )
         except ConcurrentWrite:
             # An operator (cancel, edit) or another worker advanced the run first; their
             # checkpoint stands and this step's result is dropped (its effects are in the

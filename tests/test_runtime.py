@@ -1,0 +1,887 @@
+"""The runtime in one process: steps, resumes, divergence, waits, operator actions.
+
+The oracle for effects is :class:`Provider`, an in-process fake that logs every raw
+delivery; the ledger is never asked what happened. A "crash" inside a step is an
+exception the runtime does not catch (:class:`Crash`, a ``BaseException``): the step's
+checkpoint is never written, exactly as when the process dies there. "Another process"
+is a fresh :class:`Store` and :class:`Ledger` on the same database (no shared caches).
+Every test runs on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from adapters import current_claim, guard
+from checkpoint import (
+    ConfigurationError,
+    Handoff,
+    RunStatus,
+    Source,
+    StateMigrations,
+    Store,
+    WaitKind,
+    WaitRefused,
+    Waits,
+    WaitStatus,
+)
+from ledger import EffectStatus
+from onceonly.context import BranchContext, StepContext
+from onceonly.errors import RunNotResumable
+from onceonly.flow import Flow, Transition
+from onceonly.operator import Operator
+from onceonly.runtime import META, Runtime
+from tests.ledger_support import Clock, Ledgers
+
+
+class Crash(BaseException):
+    """The process dies here: nothing after it runs, nothing catches it."""
+
+
+@dataclass
+class Provider:
+    """A fake provider: ``deliveries`` is every raw request, in order.
+
+    ``ambiguous`` names effects whose next request is applied and then answered with a
+    timeout (the answer is lost); ``lost`` names effects whose next request times out
+    before it is applied.
+    """
+
+    deliveries: list[tuple[str, str, Any]] = field(default_factory=list)
+    ambiguous: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+
+    def send(self, effect: str, payload: Any) -> dict[str, Any]:
+        if effect in self.lost:
+            self.lost.remove(effect)
+            raise TimeoutError("connect timeout")
+        key = current_claim().provider_key
+        self.deliveries.append((effect, key, payload))
+        receipt = {"id": len(self.deliveries), "payload": payload}
+        if effect in self.ambiguous:
+            self.ambiguous.remove(effect)
+            raise TimeoutError("read timeout")
+        return receipt
+
+    def sent(self, effect: str | None = None) -> list[Any]:
+        return [p for e, _, p in self.deliveries if effect is None or e == effect]
+
+
+class Env:
+    """A store, its ledger, an operator and the provider, with a settable clock."""
+
+    def __init__(self, store: Store, ledgers: Ledgers, clock: Clock) -> None:
+        self.store = store
+        self.ledgers = ledgers
+        self.clock = clock
+        self.ledger = ledgers.on(store, owner="w1")
+        self.provider = Provider()
+        self.operator = Operator(store, self.ledger, clock=clock)
+
+    def runtime(self, *flows: Flow, fresh: bool = False) -> Runtime:
+        """A runtime; ``fresh``: in "another process" (same worker name)."""
+        ledger = self.ledgers.fresh(owner="w1") if fresh else self.ledger
+        return Runtime(ledger.store, ledger, flows, owner="rt", clock=self.clock)
+
+    def send(self, ctx: StepContext | BranchContext, effect: str, payload: Any) -> Any:
+        """Perform ``effect`` once (class C: nobody can tell whether a lost one happened)."""
+        fn = guard(ctx.ledger, effect=effect)(lambda p: self.provider.send(effect, p))
+        return fn(payload)
+
+    def state(self, run_id: str) -> dict[str, Any]:
+        return self.operator.show(run_id).state
+
+    def meta(self, run_id: str) -> dict[str, Any]:
+        return self.operator.show(run_id).meta
+
+
+@pytest.fixture
+def env(store: Store, ledgers: Ledgers, clock: Clock) -> Env:
+    return Env(store, ledgers, clock)
+
+
+def approve(env: Env, run_id: str, name: str, actor: str = "bob") -> None:
+    [wait] = [w for w in env.operator.show(run_id).waits if w.name == name]
+    assert wait.subject_hash is not None
+    env.operator.approve(run_id, name, actor=actor, subject_hash=wait.subject_hash)
+
+
+# -- steps and resumes -------------------------------------------------------------------
+
+
+def test_a_multi_step_flow_completes_and_each_effect_happens_once(env: Env) -> None:
+    flow = Flow("order")
+
+    @flow.step(start=True)
+    def reserve(ctx: StepContext) -> Transition:
+        ctx.state["reservation"] = env.send(ctx, "reserve@1", {"sku": ctx.state["sku"]})["id"]
+        return ctx.next("notify")
+
+    @flow.step
+    def notify(ctx: StepContext) -> Transition:
+        for to in ("a@x", "b@x"):
+            env.send(ctx, "email@1", {"to": to})
+        return ctx.next("charge")
+
+    @flow.step
+    def charge(ctx: StepContext) -> Transition:
+        env.send(ctx, "charge@1", {"amount": 10})
+        return ctx.end({"reservation": ctx.state["reservation"]})
+
+    rt = env.runtime(flow)
+    rid = rt.start("order", {"sku": "X1"}, run_id="order-1")
+    run = rt.drive(rid)
+    assert (run.status, run.next_step) == (RunStatus.COMPLETED, None)
+    assert [e for e, _, _ in env.provider.deliveries] == [
+        "reserve@1",
+        "email@1",
+        "email@1",
+        "charge@1",
+    ]
+    assert len({k for _, k, _ in env.provider.deliveries}) == 4
+    assert env.state(rid)["result"] == {"reservation": 1}
+    assert env.meta(rid)["visits"] == {"reserve": 1, "notify": 1, "charge": 1}
+    assert [c.step for c in env.store.history(rid)] == ["start", "reserve", "notify", "charge"]
+    assert rt.drive(rid).status is RunStatus.COMPLETED  # nothing more to do
+    assert len(env.provider.deliveries) == 4
+
+
+def test_each_visit_of_a_looping_step_acts_again(env: Env) -> None:
+    flow = Flow("poll")
+
+    @flow.step(start=True)
+    def ping(ctx: StepContext) -> Transition:
+        env.send(ctx, "ping@1", {"n": 1})  # the same arguments on every pass
+        ctx.state["n"] = ctx.state.get("n", 0) + 1
+        return ctx.next("ping") if ctx.state["n"] < 3 else ctx.end()
+
+    rt = env.runtime(flow)
+    rid = rt.start("poll")
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert len(env.provider.deliveries) == 3
+    assert len({k for _, k, _ in env.provider.deliveries}) == 3
+
+
+def test_a_step_that_raises_after_an_effect_fails_and_a_retry_replays_it(env: Env) -> None:
+    flow = Flow("flaky")
+    failures = [RuntimeError("upstream 500")]
+
+    @flow.step(start=True)
+    def work(ctx: StepContext) -> Transition:
+        ctx.state["log"].append("working")  # in place: must not survive a failed attempt
+        ctx.state["receipt"] = env.send(ctx, "send@1", "hello")
+        if failures:
+            raise failures.pop()
+        return ctx.end()
+
+    rt = env.runtime(flow)
+    rid = rt.start("flaky", {"log": []})
+    run = rt.drive(rid)
+    assert (run.status, run.next_step) == (RunStatus.FAILED, "work")
+    error = env.meta(rid)["error"]
+    assert (error["step"], error["type"], error["message"]) == (
+        "work",
+        "RuntimeError",
+        "upstream 500",
+    )
+    assert env.state(rid)["log"] == []
+    assert "receipt" not in env.state(rid)
+
+    env.operator.retry(rid, actor="ops", reason="upstream fixed")
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert env.provider.sent() == ["hello"]
+    assert env.state(rid)["log"] == ["working"]
+    assert env.state(rid)["receipt"] == {"id": 1, "payload": "hello"}
+    assert env.meta(rid)["error"] is None
+
+
+def test_a_step_that_crashes_half_way_is_rerun_and_its_effects_replay(env: Env) -> None:
+    crash = [True]
+
+    def flow() -> Flow:
+        f = Flow("twice")
+
+        @f.step(start=True)
+        def both(ctx: StepContext) -> Transition:
+            ctx.state["items"].append("seen")
+            first = env.send(ctx, "send@1", "one")
+            if crash:
+                crash.pop()
+                raise Crash
+            second = env.send(ctx, "send@1", "two")
+            ctx.state["ids"] = [first["id"], second["id"]]
+            return ctx.end()
+
+        return f
+
+    rid = env.runtime(flow()).start("twice", {"items": []})
+    with pytest.raises(Crash):
+        env.runtime(flow()).drive(rid)
+    assert env.store.get_run(rid).status is RunStatus.RUNNING  # nothing checkpointed
+    run = env.runtime(flow(), fresh=True).drive(rid)  # a new process picks it up
+    assert run.status is RunStatus.COMPLETED
+    assert env.provider.sent() == ["one", "two"]
+    assert env.state(rid)["ids"] == [1, 2]
+    assert env.state(rid)["items"] == ["seen"]
+
+
+def _divergent(variant: str, env: Env) -> Callable[[StepContext], None]:
+    def renamed(ctx: StepContext) -> None:
+        env.send(ctx, "send@2", "one")
+
+    def reordered(ctx: StepContext) -> None:
+        env.send(ctx, "other@1", "two")
+        env.send(ctx, "send@1", "one")
+
+    def removed(ctx: StepContext) -> None:
+        env.send(ctx, "other@1", "two")  # send@1 is gone
+
+    def dropped(ctx: StepContext) -> None:
+        pass  # asks for nothing at all
+
+    def added_before(ctx: StepContext) -> None:
+        env.send(ctx, "audit@1", "zero")
+        env.send(ctx, "send@1", "one")
+        env.send(ctx, "other@1", "two")
+
+    def args_changed(ctx: StepContext) -> None:
+        env.send(ctx, "send@1", "ONE")
+        env.send(ctx, "other@1", "two")
+
+    return {
+        "renamed": renamed,
+        "reordered": reordered,
+        "removed": removed,
+        "dropped": dropped,
+        "added_before": added_before,
+        "args_changed": args_changed,
+    }[variant]
+
+
+@pytest.mark.parametrize(
+    ("variant", "error"),
+    [
+        ("renamed", "StepDiverged"),
+        ("reordered", "StepDiverged"),
+        ("removed", "StepDiverged"),
+        ("dropped", "StepDiverged"),
+        ("added_before", "StepDiverged"),
+        ("args_changed", "KeyReuseError"),
+    ],
+)
+def test_a_resumed_step_whose_code_changed_fails_before_acting(
+    env: Env, variant: str, error: str
+) -> None:
+    old = Flow("pay", version="1")
+
+    @old.step(start=True)
+    def act(ctx: StepContext) -> Transition:
+        env.send(ctx, "send@1", "one")
+        env.send(ctx, "other@1", "two")
+        raise Crash  # dies before its checkpoint
+
+    rid = env.runtime(old).start("pay")
+    with pytest.raises(Crash):
+        env.runtime(old).drive(rid)
+    assert len(env.provider.deliveries) == 2
+
+    new = Flow("pay", version="2")
+    change = _divergent(variant, env)
+
+    @new.step(start=True, name="act")
+    def act2(ctx: StepContext) -> Transition:
+        change(ctx)
+        return ctx.end()
+
+    run = env.runtime(new, fresh=True).drive(rid)
+    assert run.status is RunStatus.FAILED
+    assert env.meta(rid)["error"]["type"] == error
+    assert env.meta(rid)["error"]["step"] == "act"
+    assert len(env.provider.deliveries) == 2  # nothing more reached the provider
+    assert env.runtime(new).drive(rid).status is RunStatus.FAILED  # and stays failed
+
+
+def test_the_same_code_resumes_where_the_changed_code_diverged(env: Env) -> None:
+    """A control for the divergence test: unchanged code passes the same checks."""
+    crash = [True]
+    flow = Flow("pay")
+
+    @flow.step(start=True)
+    def act(ctx: StepContext) -> Transition:
+        env.send(ctx, "send@1", "one")
+        env.send(ctx, "other@1", "two")
+        if crash:
+            crash.pop()
+            raise Crash
+        env.send(ctx, "third@1", "three")
+        return ctx.end()
+
+    rid = env.runtime(flow).start("pay")
+    with pytest.raises(Crash):
+        env.runtime(flow).drive(rid)
+    assert env.runtime(flow, fresh=True).drive(rid).status is RunStatus.COMPLETED
+    assert env.provider.sent() == ["one", "two", "three"]
+
+
+def test_recorded_reads_are_asked_once_across_a_resume(env: Env) -> None:
+    asked: list[str] = []
+    crash = [True]
+    flow = Flow("llm")
+
+    def complete(prompt: str) -> str:
+        asked.append(prompt)
+        return f"answer #{len(asked)} to {prompt}"
+
+    @flow.step(start=True)
+    def think(ctx: StepContext) -> Transition:
+        answer = ctx.recorded("llm@1", complete, "plan the trip")
+        if crash:
+            crash.pop()
+            raise Crash
+        ctx.state["answer"] = answer
+        return ctx.end()
+
+    rid = env.runtime(flow).start("llm")
+    with pytest.raises(Crash):
+        env.runtime(flow).drive(rid)
+    assert env.runtime(flow, fresh=True).drive(rid).status is RunStatus.COMPLETED
+    assert asked == ["plan the trip"]
+    assert env.state(rid)["answer"] == "answer #1 to plan the trip"
+
+
+def test_a_resume_reruns_only_the_branch_that_failed(env: Env) -> None:
+    flow = Flow("fanout")
+    calls: list[str] = []
+    broken = [True]
+
+    def hotel(b: BranchContext) -> int:
+        calls.append("hotel")
+        return int(env.send(b, "book@1", "hotel")["id"])
+
+    def flight(b: BranchContext) -> int:
+        calls.append("flight")
+        if broken:
+            raise ConnectionError("airline down")
+        return int(env.send(b, "book@1", "flight")["id"])
+
+    @flow.step(start=True)
+    def book(ctx: StepContext) -> Transition:
+        ctx.state["booked"] = ctx.parallel({"hotel": hotel, "flight": flight})
+        return ctx.end()
+
+    rt = env.runtime(flow)
+    rid = rt.start("fanout")
+    assert rt.drive(rid).status is RunStatus.FAILED
+    assert env.meta(rid)["error"]["type"] == "ConnectionError"
+    assert calls.count("hotel") == 1
+    assert env.provider.sent() == ["hotel"]
+
+    broken.clear()
+    calls.clear()
+    env.operator.retry(rid, actor="ops", reason="airline back")
+    assert env.runtime(flow, fresh=True).drive(rid).status is RunStatus.COMPLETED
+    assert calls == ["flight"]  # the finished branch replays its recorded output
+    assert env.provider.sent() == ["hotel", "flight"]
+    assert env.state(rid)["booked"] == {"hotel": 1, "flight": 2}
+
+
+# -- waits -------------------------------------------------------------------------------
+
+
+def _approval_flow(env: Env, **handlers: str) -> Flow:
+    flow = Flow("invoice")
+
+    @flow.step(start=True)
+    def ask(ctx: StepContext) -> Transition:
+        return ctx.wait_for_approval(
+            "pay",
+            {"amount": ctx.state["amount"]},
+            then="pay",
+            expires_in=3600,
+            **handlers,  # type: ignore[arg-type]
+        )
+
+    @flow.step
+    def pay(ctx: StepContext) -> Transition:
+        ctx.approved("pay", {"amount": ctx.state["amount"]})
+        env.send(ctx, "pay@1", ctx.state["amount"])
+        return ctx.end("paid")
+
+    @flow.step
+    def rejected(ctx: StepContext) -> Transition:
+        env.send(ctx, "tell@1", "rejected")
+        return ctx.end("rejected")
+
+    @flow.step
+    def expired(ctx: StepContext) -> Transition:
+        env.send(ctx, "tell@1", "expired")
+        return ctx.end("expired")
+
+    return flow
+
+
+@pytest.mark.parametrize(
+    ("decision", "handled", "status", "sent"),
+    [
+        ("approve", True, RunStatus.COMPLETED, ["pay@1"]),
+        ("reject", True, RunStatus.COMPLETED, ["tell@1"]),
+        ("reject", False, RunStatus.FAILED, []),
+        ("expire", True, RunStatus.COMPLETED, ["tell@1"]),
+        ("expire", False, RunStatus.FAILED, []),
+    ],
+)
+def test_an_approval_decides_the_path(
+    env: Env, decision: str, handled: bool, status: RunStatus, sent: list[str]
+) -> None:
+    handlers = {"on_reject": "rejected", "on_expire": "expired"} if handled else {}
+    rt = env.runtime(_approval_flow(env, **handlers))
+    rid = rt.start("invoice", {"amount": 120}, started_by="alice")
+    run = rt.drive(rid)
+    assert (run.status, run.next_step) == (RunStatus.WAITING, "pay")
+    [wait] = env.operator.show(rid).waits
+    assert (wait.kind, wait.requested_by, wait.subject) == (
+        WaitKind.APPROVAL,
+        "alice",
+        {"amount": 120},
+    )
+    assert wait.due_at == pytest.approx(env.clock() + 3600)
+    assert rt.drive(rid).status is RunStatus.WAITING  # nothing decided yet
+    if decision == "approve":
+        with pytest.raises(WaitRefused):
+            approve(env, rid, "pay", actor="alice")  # the requester may not approve
+        approve(env, rid, "pay")
+    elif decision == "reject":
+        env.operator.reject(rid, "pay", actor="bob", reason="no budget")
+    else:
+        env.clock.advance(3601)
+    run = rt.drive(rid)
+    assert run.status is status
+    assert [e for e, _, _ in env.provider.deliveries] == sent
+    got = env.meta(rid)["waits"]["pay"]
+    assert (
+        got["status"]
+        == {"approve": "approved", "reject": "rejected", "expire": "expired"}[decision]
+    )
+    if status is RunStatus.FAILED:
+        assert env.meta(rid)["error"]["step"] == "wait:pay"
+
+
+def test_a_signal_payload_reaches_the_next_step(env: Env) -> None:
+    flow = Flow("kyc")
+
+    @flow.step(start=True)
+    def ask(ctx: StepContext) -> Transition:
+        return ctx.wait_for_signal("docs", then="check")
+
+    @flow.step
+    def check(ctx: StepContext) -> Transition:
+        docs = ctx.signal("docs")
+        env.send(ctx, "verify@1", docs)
+        return ctx.wait_for_signal("extra", then="finish")
+
+    @flow.step
+    def finish(ctx: StepContext) -> Transition:
+        return ctx.end([ctx.signal("docs"), ctx.signal("extra")])
+
+    rt = env.runtime(flow)
+    rid = rt.start("kyc")
+    env.operator.signal(rid, "extra", {"late": False}, actor="portal")  # before it waits
+    assert rt.drive(rid).status is RunStatus.WAITING
+    env.operator.signal(rid, "docs", ["passport.pdf"], actor="portal")
+    assert rt.drive(rid).status is RunStatus.COMPLETED  # "extra" was already there
+    assert env.provider.sent() == [["passport.pdf"]]
+    assert env.state(rid)["result"] == [["passport.pdf"], {"late": False}]
+
+
+def test_an_approval_does_not_cover_a_changed_subject(env: Env) -> None:
+    rt = env.runtime(_approval_flow(env))
+    rid = rt.start("invoice", {"amount": 120}, started_by="alice")
+    rt.drive(rid)
+    approve(env, rid, "pay")
+    env.operator.edit(rid, "amount", 9000, actor="mallory", reason="typo")
+    run = rt.drive(rid)
+    assert run.status is RunStatus.FAILED
+    assert env.meta(rid)["error"]["type"] == "ApprovalMismatch"
+    assert env.provider.deliveries == []
+
+
+def test_a_timer_wakes_the_run_on_the_clock(env: Env) -> None:
+    flow = Flow("remind")
+
+    @flow.step(start=True)
+    def nap(ctx: StepContext) -> Transition:
+        return ctx.sleep("nap", 3600, then="ring")
+
+    @flow.step
+    def ring(ctx: StepContext) -> Transition:
+        env.send(ctx, "ring@1", "wake up")
+        return ctx.end()
+
+    rt = env.runtime(flow)
+    rid = rt.start("remind")
+    assert rt.drive(rid).status is RunStatus.WAITING
+    ready = Waits(env.store, clock=env.clock)
+    assert ready.claim_ready("w", 30) == []
+    env.clock.advance(3599)
+    assert rt.drive(rid).status is RunStatus.WAITING
+    assert env.provider.deliveries == []
+    env.clock.advance(1)
+    assert ready.claim_ready("rt", 30) == [rid]  # a worker finds it due
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert env.provider.sent() == ["wake up"]
+    assert env.meta(rid)["waits"]["nap"]["status"] == "fired"
+
+
+@pytest.mark.parametrize("happened", [True, False])
+def test_an_effect_in_doubt_parks_the_run_until_a_person_resolves_it(
+    env: Env, happened: bool
+) -> None:
+    flow = Flow("wire")
+    steps: list[str] = []
+
+    @flow.step(start=True)
+    def wire(ctx: StepContext) -> Transition:
+        steps.append("wire")
+        ctx.state["receipt"] = env.send(ctx, "wire@1", 500)
+        return ctx.next("done")
+
+    @flow.step
+    def done(ctx: StepContext) -> Transition:
+        return ctx.end(ctx.state["receipt"])
+
+    (env.provider.ambiguous if happened else env.provider.lost).append("wire@1")
+    rt = env.runtime(flow)
+    rid = rt.start("wire")
+    run = rt.drive(rid)
+    assert (run.status, run.next_step) == (RunStatus.WAITING, "wire")
+    [effect] = env.ledger.effects(run_id=rid)
+    assert effect.status is EffectStatus.NEEDS_HUMAN
+    [wait] = env.operator.show(rid).waits
+    assert wait.kind is WaitKind.SIGNAL
+    assert wait.name.startswith(f"effect:{effect.key_id[:16]}:")
+    assert rt.drive(rid).status is RunStatus.WAITING  # nothing moves it but a person
+    assert steps == ["wire"]
+
+    env.operator.resolve(
+        effect.key_id,
+        happened=happened,
+        evidence="bank statement line 7" if happened else "not on the statement",
+        actor="ops",
+        result={"id": 1, "payload": 500} if happened else None,
+    )
+    assert env.store.get_run(rid).status is RunStatus.RUNNING
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert env.provider.sent() == [500]  # applied once either way
+    assert env.state(rid)["result"]["payload"] == 500
+    assert steps == ["wire", "wire"]
+
+
+def test_cancel_closes_the_waits_and_stops_the_run(env: Env) -> None:
+    rt = env.runtime(_approval_flow(env))
+    rid = rt.start("invoice", {"amount": 120}, started_by="alice")
+    rt.drive(rid)
+    run = env.operator.cancel(rid, actor="ops", reason="duplicate invoice")
+    assert run.status is RunStatus.CANCELLED
+    [wait] = env.operator.show(rid).waits
+    assert (wait.status, wait.decided_by) == (WaitStatus.CANCELLED, "ops")
+    with pytest.raises(WaitRefused):
+        approve(env, rid, "pay")
+    assert rt.drive(rid).status is RunStatus.CANCELLED
+    assert Waits(env.store, clock=env.clock).claim_ready("w", 30) == []
+    assert env.provider.deliveries == []
+    assert env.meta(rid)["operator_log"][-1]["reason"] == "duplicate invoice"
+
+
+@pytest.mark.parametrize("same_store", [True, False])
+def test_a_cancel_during_a_step_wins_over_the_step(env: Env, same_store: bool) -> None:
+    flow = Flow("long")
+    operator = env.operator if same_store else Operator(env.ledgers.store(), env.ledger)
+
+    @flow.step(start=True)
+    def first(ctx: StepContext) -> Transition:
+        env.send(ctx, "send@1", "first")
+        operator.cancel(ctx.run_id, actor="ops", reason="stop")  # meanwhile, elsewhere
+        ctx.state["touched"] = True
+        return ctx.next("second")
+
+    @flow.step
+    def second(ctx: StepContext) -> Transition:
+        env.send(ctx, "send@1", "second")
+        return ctx.end()
+
+    rt = env.runtime(flow)
+    rid = rt.start("long")
+    assert rt.drive(rid).status is RunStatus.CANCELLED
+    assert env.provider.sent() == ["first"]
+    assert "touched" not in env.state(rid)
+
+
+def test_a_fork_replays_committed_effects_and_asks_again(env: Env) -> None:
+    flow = _approval_flow(env)
+
+    @flow.step(start=True, name="quote")
+    def quote(ctx: StepContext) -> Transition:
+        ctx.state["quote"] = env.send(ctx, "quote@1", ctx.state["amount"])["id"]
+        return ctx.next("ask")
+
+    rt = env.runtime(flow)
+    rid = rt.start("invoice", {"amount": 120}, started_by="alice")
+    assert rt.drive(rid).status is RunStatus.WAITING
+    approve(env, rid, "pay")
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    sent = list(env.provider.deliveries)
+    assert [e for e, _, _ in sent] == ["quote@1", "pay@1"]
+
+    history = env.store.history(rid)
+    at_start = next(c.seq for c in history if c.step == "start")
+    waiting = next(c.seq for c in history if c.step == "ask")
+    for seq in (at_start, waiting):
+        fork = env.operator.fork(rid, seq, actor="ops", reason="audit replay")
+        assert fork != rid
+        run = rt.drive(fork)
+        assert run.status is RunStatus.WAITING  # the origin's approval does not carry over
+        [wait] = env.operator.show(fork).waits
+        assert (wait.status, wait.subject) == (WaitStatus.OPEN, {"amount": 120})
+        approve(env, fork, "pay", actor="carol")
+        assert rt.drive(fork).status is RunStatus.COMPLETED
+        assert env.provider.deliveries == sent  # replayed, never re-fired
+        assert env.state(fork)["quote"] == 1
+        assert env.meta(fork)["forked_from"]["seq"] == seq
+
+
+def test_a_failed_run_is_retried_at_the_step_that_failed(env: Env) -> None:
+    flow = Flow("check")
+    verdicts = ["not yet", "ok"]
+
+    @flow.step(start=True)
+    def check(ctx: StepContext) -> Transition:
+        env.send(ctx, "probe@1", "p")
+        verdict = verdicts.pop(0)
+        if verdict != "ok":
+            return ctx.fail(verdict)
+        return ctx.next("finish")
+
+    @flow.step
+    def finish(ctx: StepContext) -> Transition:
+        return ctx.end("ok")
+
+    rt = env.runtime(flow)
+    rid = rt.start("check")
+    run = rt.drive(rid)
+    assert (run.status, run.next_step) == (RunStatus.FAILED, "check")
+    assert env.meta(rid)["error"] == {"step": "check", "type": "Fail", "message": "not yet"}
+    retried = env.operator.retry(rid, actor="ops", reason="try again")
+    assert retried.status is RunStatus.RUNNING
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert env.provider.sent() == ["p"]  # the same visit: its effect replays
+
+
+def test_a_transition_to_a_missing_step_fails_the_run(env: Env) -> None:
+    flow = Flow("typo")
+
+    @flow.step(start=True)
+    def first(ctx: StepContext) -> Transition:
+        env.send(ctx, "send@1", "x")
+        return ctx.next("secnod")
+
+    rt = env.runtime(flow)
+    rid = rt.start("typo")
+    run = rt.drive(rid)
+    assert (run.status, run.next_step) == (RunStatus.FAILED, "first")
+    assert env.meta(rid)["error"]["type"] == "ConfigurationError"
+    assert env.meta(rid)["visits"] == {}
+
+
+def test_state_saved_by_older_code_is_migrated_on_resume(env: Env) -> None:
+    v1 = Flow("quote", version="1")
+
+    @v1.step(start=True)
+    def price(ctx: StepContext) -> Transition:
+        ctx.state["amount"] = 12
+        return ctx.sleep("cool-off", 60, then="send")
+
+    @v1.step(name="send")
+    def send_v1(ctx: StepContext) -> Transition:
+        raise AssertionError("v1 never runs this")
+
+    rid = env.runtime(v1).start("quote")
+    assert env.runtime(v1).drive(rid).status is RunStatus.WAITING
+    assert env.store.get_run(rid).state_version == 1
+
+    def to_v2(state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, "amount": {"value": state["amount"], "currency": "EUR"}}
+
+    v2 = Flow("quote", version="2", migrations=StateMigrations(current=2, upgrades={1: to_v2}))
+
+    @v2.step(name="send")
+    def send_v2(ctx: StepContext) -> Transition:
+        env.send(ctx, "quote@1", ctx.state["amount"])
+        return ctx.end()
+
+    env.clock.advance(60)
+    assert env.runtime(v2, fresh=True).drive(rid).status is RunStatus.COMPLETED
+    assert env.provider.sent() == [{"value": 12, "currency": "EUR"}]
+    assert env.store.get_run(rid).state_version == 2
+    assert Source.MIGRATION in {c.source for c in env.store.history(rid)}
+    assert env.meta(rid)["waits"]["cool-off"]["status"] == "fired"  # bookkeeping survived
+
+
+def test_start_is_idempotent_by_run_id(env: Env) -> None:
+    flow = Flow("once")
+
+    @flow.step(start=True)
+    def only(ctx: StepContext) -> Transition:
+        return ctx.end(ctx.state["n"])
+
+    rt = env.runtime(flow)
+    assert rt.start("once", {"n": 1}, run_id="fixed") == "fixed"
+    assert rt.start("once", {"n": 2}, run_id="fixed") == "fixed"
+    assert env.runtime(flow, fresh=True).start("once", {"n": 3}, run_id="fixed") == "fixed"
+    assert [c.step for c in env.store.history("fixed")] == ["start"]
+    assert rt.drive("fixed").status is RunStatus.COMPLETED
+    assert rt.start("once", {"n": 4}, run_id="fixed") == "fixed"
+    assert env.state("fixed")["result"] == 1
+    assert env.store.get_run("fixed").status is RunStatus.COMPLETED
+
+
+def test_the_handoff_note_is_kept_and_visible(env: Env) -> None:
+    flow = Flow("research")
+    seen: list[Handoff] = []
+
+    @flow.step(start=True)
+    def search(ctx: StepContext) -> Transition:
+        seen.append(ctx.handoff)
+        ctx.note(done=["searched arxiv"], next=["read top 3"], ruled_out=["scholar: blocked"])
+        return ctx.wait_for_signal("go", then="read")
+
+    @flow.step
+    def read(ctx: StepContext) -> Transition:
+        seen.append(ctx.handoff)
+        ctx.note(done=[*ctx.handoff.done, "read top 3"], next=[])
+        return ctx.end()
+
+    rt = env.runtime(flow)
+    rid = rt.start("research", handoff=Handoff(goal="survey effect ledgers"))
+    rt.drive(rid)
+    note = env.operator.show(rid).run.handoff
+    assert note == Handoff(
+        goal="survey effect ledgers",
+        done=("searched arxiv",),
+        next=("read top 3",),
+        ruled_out=("scholar: blocked",),
+    )
+    env.operator.signal(rid, "go", actor="me")
+    assert env.runtime(flow, fresh=True).drive(rid).status is RunStatus.COMPLETED
+    assert seen[0] == Handoff(goal="survey effect ledgers")
+    assert seen[1] == note  # the next step (in another process) starts from it
+    final = env.store.get_run(rid).handoff
+    assert final.done == ("searched arxiv", "read top 3")
+    assert (final.next, final.ruled_out) == ((), ("scholar: blocked",))
+    assert META not in env.state(rid)
+
+
+def test_the_reserved_channel_cannot_be_started_with(env: Env) -> None:
+    flow = Flow("x")
+
+    @flow.step(start=True)
+    def only(ctx: StepContext) -> Transition:
+        return ctx.end()
+
+    with pytest.raises(ConfigurationError, match="reserved"):
+        env.runtime(flow).start("x", {META: {}})
+    assert env.store.list_runs() == []
+
+
+def test_a_signal_without_a_resolution_does_not_release_an_effect_in_doubt(env: Env) -> None:
+    flow = Flow("wire")
+
+    @flow.step(start=True)
+    def wire(ctx: StepContext) -> Transition:
+        env.send(ctx, "wire@1", 500)
+        return ctx.end()
+
+    env.provider.ambiguous.append("wire@1")
+    rt = env.runtime(flow)
+    rid = rt.start("wire")
+    rt.drive(rid)
+    [first] = env.operator.show(rid).waits
+    env.operator.signal(rid, first.name, "go on", actor="impatient")  # not a resolution
+    run = rt.drive(rid, max_steps=20)
+    assert run.status is RunStatus.WAITING  # it parks again: no busy loop, no re-send
+    open_waits = [w for w in env.operator.show(rid).waits if w.status is WaitStatus.OPEN]
+    assert [w.name for w in open_waits] == [f"{first.name}.2"]
+    assert len(env.provider.deliveries) == 1
+    [effect] = env.ledger.effects(run_id=rid)
+    env.operator.resolve(effect.key_id, happened=True, evidence="seen", actor="ops", result=1)
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert len(env.provider.deliveries) == 1
+
+
+def test_a_run_retried_after_failing_at_a_wait_fails_again_instead_of_spinning(
+    env: Env,
+) -> None:
+    rt = env.runtime(_approval_flow(env))
+    rid = rt.start("invoice", {"amount": 120}, started_by="alice")
+    rt.drive(rid)
+    env.operator.reject(rid, "pay", actor="bob")
+    assert rt.drive(rid).status is RunStatus.FAILED
+    with pytest.raises(RunNotResumable):
+        env.operator.retry(rid, actor="ops", reason="try")
+    env.store.update_run(rid, status=RunStatus.RUNNING)  # made ready by hand anyway
+    assert rt.drive(rid).status is RunStatus.FAILED
+    assert env.meta(rid)["error"]["type"] == "NothingToRun"
+    assert Waits(env.store, clock=env.clock).claim_ready("w", 30) == []
+
+
+def test_a_wait_name_reused_for_another_subject_fails_the_run(env: Env) -> None:
+    flow = Flow("loop")
+
+    @flow.step(start=True)
+    def ask(ctx: StepContext) -> Transition:
+        n = ctx.state.get("n", 0)
+        ctx.state["n"] = n + 1
+        return ctx.wait_for_approval("ok", {"n": n}, then="ask", allow_self=True)
+
+    rt = env.runtime(flow)
+    rid = rt.start("loop")
+    rt.drive(rid)
+    approve(env, rid, "ok")
+    run = rt.drive(rid)
+    assert (run.status, run.next_step) == (RunStatus.FAILED, "ask")
+    assert env.meta(rid)["error"]["type"] == "WaitRefused"
+    assert env.state(rid)["n"] == 1
+
+
+def test_concurrent_starts_of_one_run_id_start_it_once(env: Env) -> None:
+    flow = Flow("once")
+
+    @flow.step(start=True)
+    def only(ctx: StepContext) -> Transition:
+        return ctx.end(ctx.state["n"])
+
+    runtimes = [env.runtime(flow, fresh=True) for _ in range(4)]
+    gate = threading.Barrier(len(runtimes))
+    got: list[str] = []
+    errors: list[BaseException] = []
+
+    def start(i: int, rt: Runtime) -> None:
+        gate.wait()
+        try:
+            got.append(rt.start("once", {"n": i}, run_id="same"))
+        except BaseException as exc:  # noqa: BLE001  (reported by the test thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(i, r)) for i, r in enumerate(runtimes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert got == ["same"] * 4
+    assert [c.step for c in env.store.history("same")] == ["start"]
+    assert env.runtime(flow).drive("same").status is RunStatus.COMPLETED
