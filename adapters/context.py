@@ -24,8 +24,9 @@ class StepDiverged(OnceOnlyError):
 
     The code or the plan changed between the attempts (an effect renamed, reordered,
     removed or added before the recorded ones): acting now could duplicate or orphan an
-    effect that already happened, so nothing was sent. Restore the code that recorded
-    them, or resolve the recorded effects and fork the run (``onceonly runs fork``).
+    effect that already happened, so nothing was sent. Deploy the code that recorded
+    them and retry the run (the effects replay), or do the remaining work in a new run (a
+    fork shares its origin's keys, so it would diverge the same way).
 
     Attributes:
         run_id: The run.
@@ -55,8 +56,8 @@ class StepDiverged(OnceOnlyError):
             what = f"asked for effect {got[:16]} where the recorded one is {str(expected)[:16]}"
         super().__init__(
             f"step {step_id!r} of run {run_id!r} diverged from its recorded attempt: it {what}; "
-            f"nothing was sent. Restore the code that recorded them, or resolve the recorded "
-            f"effects (`onceonly effects list --run {run_id}`) and fork the run"
+            f"nothing was sent. Deploy the code that recorded them (`onceonly runs retry "
+            f"{run_id}` then replays them), or settle this business in a new run"
         )
 
 

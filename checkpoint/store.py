@@ -1236,12 +1236,21 @@ class Store:
         cutoff = (time.time() if now is None else now) - policy.older_than_s
         r = _schema.runs
         statuses = [RunStatus(s).value for s in policy.statuses]
+        links = _schema.run_links
+        live = r.alias("live")
+        # A run whose effect keys a remaining run shares (a live fork's origin) stays.
+        shared = (
+            select(links.c.run_id)
+            .join(live, live.c.run_id == links.c.run_id)
+            .where(links.c.key_run == r.c.run_id)
+            .exists()
+        )
         with translate("select runs for retention"), self._reader() as conn:
             victims = [
                 row[0]
                 for row in conn.execute(
                     select(r.c.run_id)
-                    .where(r.c.status.in_(statuses), r.c.updated_at < cutoff)
+                    .where(r.c.status.in_(statuses), r.c.updated_at < cutoff, ~shared)
                     .order_by(r.c.updated_at)
                 )
             ]
@@ -1258,15 +1267,14 @@ class Store:
                         r.c.run_id == run_id, r.c.status.in_(statuses), r.c.updated_at < cutoff
                     )
                 ).first()
-                links = _schema.run_links
-                shared = conn.execute(
+                forked = conn.execute(
                     select(links.c.run_id).where(
                         links.c.key_run == run_id,
                         links.c.run_id.in_(select(r.c.run_id).where(r.c.run_id != run_id)),
                     )
                 ).first()
-                if still is None or shared is not None:
-                    continue
+                if still is None or forked is not None:
+                    continue  # resumed or forked meanwhile (it was archived; it stays too)
                 conn.execute(delete(links).where(links.c.run_id == run_id))
                 conn.execute(
                     delete(_schema.checkpoints).where(_schema.checkpoints.c.run_id == run_id)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from checkpoint import Codec, Store
@@ -141,14 +141,25 @@ class QueryMixin:
                 fh.write(json.dumps(d, sort_keys=True) + "\n")
         return len(rows)
 
-    def audit_events(self, chain: str) -> list[dict[str, Any]]:
-        """The audit events of one chain (a run id, or ``tenant:<tenant>``), in order."""
+    def audit_events(
+        self, chain: str, *, key_ids: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """The audit events of one chain (a run id, or ``tenant:<tenant>``), in order;
+        with ``key_ids``, only those entries' events."""
+        q = self._q
+        where = f"chain = {q}"
+        params: list[Any] = [chain]
+        if key_ids is not None:
+            if not key_ids:
+                return []
+            where += f" AND key_id IN ({', '.join([q] * len(key_ids))})"
+            params.extend(key_ids)
 
         def scan(cur: Any) -> list[dict[str, Any]]:
             cur.execute(
                 "SELECT chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
-                f"prev_hash, hash FROM oo_audit WHERE chain = {self._q} ORDER BY seq",
-                (chain,),
+                f"prev_hash, hash FROM oo_audit WHERE {where} ORDER BY seq",
+                params,
             )
             keys = (
                 "chain",

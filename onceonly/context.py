@@ -303,14 +303,11 @@ def _recorded_keys(ledger: Ledger, key_run: str, step_id: str) -> list[str]:
     times tie (a coarse or test clock) and can step backwards (NTP), and a wrong order
     would make a correct resume look diverged.
     """
-    rows = [r for r in ledger.effects(run_id=key_run) if r.step_id == step_id]
+    rows = ledger.effects(run_id=key_run, step_id=step_id)
     if len(rows) < 2:
         return [r.key_id for r in rows]
-    mine = {r.key_id for r in rows}
     first: dict[str, int] = {}
-    for event in ledger.audit_events(key_run):
-        kid = str(event["key_id"])
-        if kid in mine and kid not in first:
-            first[kid] = int(event["seq"])
+    for event in ledger.audit_events(key_run, key_ids=[r.key_id for r in rows]):
+        first.setdefault(str(event["key_id"]), int(event["seq"]))
     rows.sort(key=lambda r: (first.get(r.key_id, -1), r.created_at, r.key_id))
     return [r.key_id for r in rows]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,7 +131,14 @@ def main(db: str | None = None, crash_at: str = "approval", seed: int | None = N
                 proc.send_signal(signal.SIGTERM)  # drain
         for proc in workers:
             proc.wait(30)
-        return _report(console, store, ledger, mail, screening, erp, ok, kills)
+        code = _report(console, store, ledger, mail, screening, erp, ok, kills)
+        ledger.close()
+        store.close()
+        if code == 0 and db is None:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            console.print(f"database {db_path} and worker logs in {work} are kept")
+        return code
     finally:
         for proc in workers:
             if proc.poll() is None:

@@ -45,8 +45,10 @@ from checkpoint import (
 )
 from ledger import (
     EffectInDoubt,
+    EffectInFlight,
     EffectStatus,
     KeyReuseError,
+    LeaseLost,
     Ledger,
     LedgerError,
     LedgerUnavailable,
@@ -64,6 +66,14 @@ META = "_onceonly"
 _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
 _IN_DOUBT = (EffectStatus.UNKNOWN, EffectStatus.NEEDS_HUMAN, EffectStatus.CLAIMED)
 _tracer = trace.get_tracer("onceonly.runtime")
+
+
+class _TryLater(Exception):
+    """The step cannot go on now (another worker's live claim); try again at ``until``."""
+
+    def __init__(self, until: float) -> None:
+        super().__init__(f"try again at {until:.3f}")
+        self.until = until
 
 
 def default_owner() -> str:
@@ -182,17 +192,27 @@ class Runtime:
                 worker should stop; the next start recovers from disk).
         """
         self.store.acquire_lease(run_id, self.owner, self.lease_s)
+        hold_until: float | None = None
         try:
             self.ledger.prefetch(run_id)
             done = 0
             while not should_stop() and (max_steps is None or done < max_steps):
-                if not self.step_once(run_id):
+                try:
+                    if not self.step_once(run_id):
+                        break
+                except _TryLater as later:
+                    hold_until = later.until
                     break
                 done += 1
         finally:
             # On a database error the lease lapses on its own; the original error matters.
             with contextlib.suppress(StoreError):
-                self.store.release_lease(run_id, self.owner)
+                if hold_until is None:
+                    self.store.release_lease(run_id, self.owner)
+                else:
+                    # Keep the run until the other claim lapses, so no worker spins on it.
+                    ttl = max(hold_until - time.time(), 0.5)
+                    self.store.acquire_lease(run_id, self.owner, min(ttl, self.lease_s))
         return self.store.get_run(run_id)
 
     def step_once(self, run_id: str) -> bool:
@@ -264,6 +284,13 @@ class Runtime:
                 raise  # fail closed: nothing more is acted on by this worker
             except EffectInDoubt as doubt:
                 return self._park_in_doubt(run, meta, doubt, parent)
+            except EffectInFlight as busy:
+                # Another worker's claim on this effect is still live (a predecessor with
+                # another owner name that died): nothing of the step is kept, and the run
+                # is tried again when that claim lapses (then it is in doubt, and settled).
+                raise _TryLater(busy.expires_at) from busy
+            except LeaseLost as lost:
+                raise _TryLater(time.time() + 1.0) from lost
             except (StepDiverged, KeyReuseError, ApprovalMismatch, LedgerError) as exc:
                 return self._fail(run, meta, name, exc, parent)
             except Exception as exc:  # noqa: BLE001  (a step's own error fails the run)

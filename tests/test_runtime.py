@@ -30,7 +30,7 @@ from checkpoint import (
     Waits,
     WaitStatus,
 )
-from ledger import EffectStatus
+from ledger import EffectIdentity, EffectStatus
 from onceonly.context import BranchContext, StepContext
 from onceonly.errors import RunNotResumable
 from onceonly.flow import Flow, Transition
@@ -885,3 +885,27 @@ def test_concurrent_starts_of_one_run_id_start_it_once(env: Env) -> None:
     assert got == ["same"] * 4
     assert [c.step for c in env.store.history("same")] == ["start"]
     assert env.runtime(flow).drive("same").status is RunStatus.COMPLETED
+
+
+def test_a_live_claim_of_another_worker_defers_the_run_instead_of_failing_it(
+    env: Env, clock: Clock
+) -> None:
+    flow = Flow("charge")
+
+    @flow.step(start=True)
+    def charge(ctx: StepContext) -> Transition:
+        env.send(ctx, "charge@1", 10)
+        return ctx.end()
+
+    rt = env.runtime(flow)
+    rid = rt.start("charge", {}, run_id="r1")
+    # A worker with another name claimed the step's effect and died before sending.
+    other = env.ledgers.fresh(owner="w0")
+    other.claim(EffectIdentity("", rid, "charge#0", 0, "charge@1", 0), {"p": 10})
+    run = rt.drive(rid)
+    assert run.status is RunStatus.RUNNING  # deferred, not failed
+    assert run.lease_owner == "rt"  # held until the other claim lapses: nobody spins on it
+    assert env.provider.sent() == []
+    clock.advance(31)  # the dead worker's claim lapses: in doubt, and class C needs a human
+    assert rt.drive(rid).status is RunStatus.WAITING
+    assert env.provider.sent() == []
