@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from . import summary
+from . import summary, w4
 from ._util import median
 from .summary import MB, Target
 from .systems import LABELS, W1_LABELS
@@ -917,6 +917,8 @@ def render(results: dict[str, Any], docs: Path) -> Path:
     s3 = summary.summarize_w3(results["w3"]) if "w3" in results else None
     s1 = summary.summarize_w1(results["w1"]) if "w1" in results else None
     ts = summary.targets(s2, s3, s1)
+    if "w4" in results:
+        ts += w4.targets(w4.summarize(results["w4"]), results["w4"])
     pk = meta["packages"]
     lines = [
         "# Performance",
@@ -1008,6 +1010,8 @@ def render(results: dict[str, Any], docs: Path) -> Path:
         lines += _w2_section(results, s2, plots)
     if s3 is not None:
         lines += _w3_section(results, s3, plots)
+    if "w4" in results:
+        lines += w4.section(results)
     if "bytes" in plots:
         lines += [
             "## Bytes stored versus steps",
@@ -1160,10 +1164,17 @@ def console_summary(results: dict[str, Any]) -> Table:
                 t.add_row("W1", name, "probe recorded", _probe_cell(r).replace("*", ""), "")
             if "x_async" in r:
                 t.add_row("W1", name, "async effects/s", per_s(r["async_per_s"]), "")
-    for tg in summary.targets(
-        summary.summarize_w2(results["w2"]) if "w2" in results else None,
-        summary.summarize_w3(results["w3"]) if "w3" in results else None,
-        s1,
+    if "w4" in results:
+        for n, r in w4.summarize(results["w4"]).items():
+            t.add_row("W4", f"{n} worker(s)", "effects/s", per_s(r["effects_per_s"]), "")
+    w4_targets = w4.targets(w4.summarize(results["w4"]), results["w4"]) if "w4" in results else []
+    for tg in (
+        summary.targets(
+            summary.summarize_w2(results["w2"]) if "w2" in results else None,
+            summary.summarize_w3(results["w3"]) if "w3" in results else None,
+            s1,
+        )
+        + w4_targets
     ):
         t.add_row(tg.workload, tg.system, tg.text, _target_value(tg), "met" if tg.met else "MISSED")
     return t

@@ -33,7 +33,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from . import w1, w2, w3, workload
+from . import w1, w2, w3, w4, workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "latest.json"
@@ -501,8 +501,9 @@ def _show(p: Path) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description="onceonly benchmarks W1 (guarded effects), W2 (incremental checkpoints) "
-        "and W3 (resume cost versus history length) against floors, LangGraph and DBOS; see "
+        description="onceonly benchmarks W1 (guarded effects), W2 (incremental checkpoints), "
+        "W3 (resume cost versus history length) against floors, LangGraph and DBOS, and W4 "
+        "(many workers on PostgreSQL); see "
         "/work/shared/BENCH.md.",
     )
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 3 quick)")
@@ -517,7 +518,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="fewer repetitions, smaller W3 histories, one W1 probe round",
     )
-    p.add_argument("--only", choices=["w1", "w2", "w3"], action="append", help="run one workload")
+    p.add_argument(
+        "--only", choices=["w1", "w2", "w3", "w4"], action="append", help="run one workload"
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="raw results JSON")
     p.add_argument("--docs", type=Path, default=DOCS, help="where performance.md goes")
     p.add_argument(
@@ -546,7 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["checkpoint_src_sha256"] = source_digest(src)
     meta["ledger_src_sha256"] = source_digest(src, "ledger")
     lazy = probe_lazy(src)
-    workloads = [w for w in ("w1", "w2", "w3") if w in (a.only or ["w1", "w2", "w3"])]
+    every = ["w1", "w2", "w3", "w4"]
+    workloads = [w for w in every if w in (a.only or every)]
     missing = probe_peers(src) if "w1" in workloads else {}
     plan = make_plan(reps, samples, quick=a.quick, workloads=workloads, lazy=lazy, missing=missing)
     runner = Runner(tmp, src, console)
@@ -583,13 +587,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             TimeElapsedColumn(),
             console=console,
         ) as progress:
-            total = progress.add_task("all phases", total=n_w1 + n_w2 + n_w3)
+            n_w4 = w4.phase_count(reps) if "w4" in plan.workloads else 0
+            total = progress.add_task("all phases", total=n_w1 + n_w2 + n_w3 + n_w4)
             if "w1" in plan.workloads:
                 results["w1"] = run_w1(plan, runner, progress, total)
             if "w2" in plan.workloads:
                 results["w2"] = run_w2(plan, runner, progress, total)
             if "w3" in plan.workloads:
                 results["w3"] = run_w3(plan, runner, progress, total)
+            if "w4" in plan.workloads:
+                results["w4"] = w4.run(reps, a.quick, runner, progress, total)
     finally:
         if not a.keep_tmp:
             shutil.rmtree(tmp, ignore_errors=True)

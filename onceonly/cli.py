@@ -170,6 +170,7 @@ def worker_cmd(
     from .worker import Worker  # noqa: PLC0415
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per provider request
     flows = load_flows(flows_spec)
     worker_owner = owner or default_owner()
     with Store.open(db_url(url)) as store:

@@ -31,6 +31,7 @@ from checkpoint import (
     ConcurrentWrite,
     ConfigurationError,
     Handoff,
+    LeaseHeld,
     Run,
     RunExists,
     RunStatus,
@@ -210,9 +211,12 @@ class Runtime:
                 if hold_until is None:
                     self.store.release_lease(run_id, self.owner)
                 else:
-                    # Keep the run until the other claim lapses, so no worker spins on it.
+                    # Park the run until the other claim lapses, under a name that is not
+                    # ours (our own lease counts as free to us), so no worker spins on it.
                     ttl = max(hold_until - time.time(), 0.5)
-                    self.store.acquire_lease(run_id, self.owner, min(ttl, self.lease_s))
+                    self.store.release_lease(run_id, self.owner)
+                    with contextlib.suppress(LeaseHeld):  # another worker took it: fine
+                        self.store.acquire_lease(run_id, f"{self.owner}:deferred", ttl)
         return self.store.get_run(run_id)
 
     def step_once(self, run_id: str) -> bool:

@@ -904,8 +904,11 @@ def test_a_live_claim_of_another_worker_defers_the_run_instead_of_failing_it(
     other.claim(EffectIdentity("", rid, "charge#0", 0, "charge@1", 0), {"p": 10})
     run = rt.drive(rid)
     assert run.status is RunStatus.RUNNING  # deferred, not failed
-    assert run.lease_owner == "rt"  # held until the other claim lapses: nobody spins on it
+    # Parked under another name until the other claim lapses: not even "rt" re-claims it.
+    assert run.lease_owner == "rt:deferred"
+    assert env.store.get_run(rid).lease_expires_at is not None
     assert env.provider.sent() == []
     clock.advance(31)  # the dead worker's claim lapses: in doubt, and class C needs a human
+    env.store.release_lease(rid, "rt:deferred")  # (the park's lease runs on wall time)
     assert rt.drive(rid).status is RunStatus.WAITING
     assert env.provider.sent() == []

@@ -1,0 +1,246 @@
+"""Flows and a counting provider for the worker tests (``tests/test_worker.py``).
+
+Worker processes load the flows with ``onceonly worker --flows tests.worker_flows:FLOWS``.
+Every effect is a class B HTTP request (the provider answers lookups by our key) to the
+provider whose URL is in the run's state; the request carries the worker's owner name in
+an ``X-Worker`` header (not part of the effect's fingerprint), so the provider's raw log
+says which worker sent what.
+
+:class:`CountingProvider` is the oracle: a Starlette app under uvicorn on 127.0.0.1 that
+applies every write it receives (no deduplication) and logs it raw, and answers
+``GET /lookup/{key}`` from what it applied. ``hold[label] = seconds`` makes it apply the
+next write of that label and answer only after that long (a worker killed meanwhile has
+acted without recording the outcome).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from adapters.http import GuardedHTTP
+from onceonly.context import StepContext
+from onceonly.flow import Flow, Transition
+
+__all__ = ["FLOWS", "CountingProvider", "Delivery"]
+
+_clients: dict[int, httpx.Client] = {}
+
+
+def _http(ctx: StepContext) -> GuardedHTTP:
+    # One client per process (httpx clients are thread-safe); timeouts short enough that
+    # a dead provider fails a test rather than hanging it.
+    pid = os.getpid()
+    if pid not in _clients:
+        _clients[pid] = httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0))
+    return GuardedHTTP(_clients[pid], ctx.ledger)
+
+
+def _send(ctx: StepContext, label: str) -> dict[str, Any]:
+    url = str(ctx.state["url"])
+    return _http(ctx).post(
+        f"{url}/deliver",
+        effect="deliver@1",
+        json={"run": ctx.run_id, "label": label},
+        headers={"X-Worker": ctx.ledger.owner},
+        provider_class="B",
+        lookup=f"{url}/lookup/{{key}}",
+    )
+
+
+# -- batch: `effects` deliveries, `per_step` per visit of one looping step -------------
+batch = Flow("batch", version="1")
+
+
+@batch.step(start=True)
+def send(ctx: StepContext) -> Transition:
+    """Deliver the next ``per_step`` effects; loop until ``effects`` are delivered."""
+    done = int(ctx.state.get("sent", 0))
+    upto = min(done + int(ctx.state["per_step"]), int(ctx.state["effects"]))
+    for i in range(done, upto):
+        _send(ctx, f"e{i}")
+    ctx.state["sent"] = upto
+    return ctx.next("send") if upto < int(ctx.state["effects"]) else ctx.next("finish")
+
+
+@batch.step
+def finish(ctx: StepContext) -> Transition:
+    """End with the number of deliveries."""
+    return ctx.end({"sent": ctx.state["sent"]})
+
+
+# -- pause: one effect, a pause inside the step (a kill lands there), one more ---------
+pause = Flow("pause", version="1")
+
+
+@pause.step(start=True)
+def first(ctx: StepContext) -> Transition:
+    """Deliver ``a``, pause ``pause_s`` seconds (still inside the step), deliver ``b``."""
+    _send(ctx, "a")
+    time.sleep(float(ctx.state["pause_s"]))
+    _send(ctx, "b")
+    ctx.state["first_by"] = ctx.ledger.owner
+    return ctx.next("second")
+
+
+@pause.step
+def second(ctx: StepContext) -> Transition:
+    """Deliver ``c`` and end."""
+    _send(ctx, "c")
+    return ctx.end({"first_by": ctx.state["first_by"], "second_by": ctx.ledger.owner})
+
+
+# -- approval: wait (holding no worker) for a person, then act --------------------------
+approval = Flow("approval", version="1")
+
+
+@approval.step(start=True)
+def ask(ctx: StepContext) -> Transition:
+    """Ask for approval of the payout in the state."""
+    return ctx.wait_for_approval("payout", ctx.state["payout"], then="pay", requested_by="alice")
+
+
+@approval.step
+def pay(ctx: StepContext) -> Transition:
+    """Deliver the approved payout."""
+    ctx.approved("payout", ctx.state["payout"])
+    _send(ctx, "paid")
+    return ctx.end("paid")
+
+
+# -- timer: sleep (holding no worker), then act -----------------------------------------
+timer = Flow("timer", version="1")
+
+
+@timer.step(start=True)
+def nap(ctx: StepContext) -> Transition:
+    """Sleep ``nap_s`` seconds on a timer."""
+    return ctx.sleep("nap", float(ctx.state["nap_s"]), then="wake")
+
+
+@timer.step
+def wake(ctx: StepContext) -> Transition:
+    """Deliver one effect after the timer fired."""
+    _send(ctx, "woke")
+    return ctx.end("woke")
+
+
+FLOWS = [batch, pause, approval, timer]
+
+
+# -- the oracle ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Delivery:
+    """One write request as it reached the provider."""
+
+    run: str
+    label: str
+    key: str | None
+    worker: str | None
+    at: float
+
+
+class CountingProvider:
+    """Applies and logs every write; answers lookups by idempotency key (class B)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._log: list[Delivery] = []
+        self._by_key: dict[str, Any] = {}
+        self.lookups = 0
+        self.hold: dict[str, float] = {}
+        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so; without
+        # it every response waits ~40 ms for the client's delayed ACK (Nagle).
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.app = Starlette(
+            routes=[
+                Route("/lookup/{key}", self._lookup, methods=["GET"]),
+                Route("/deliver", self._deliver, methods=["POST"]),
+            ]
+        )
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def log(self) -> list[Delivery]:
+        """Every write that reached the provider, in arrival order."""
+        with self._lock:
+            return list(self._log)
+
+    def count(self) -> int:
+        """How many writes reached the provider."""
+        with self._lock:
+            return len(self._log)
+
+    def wait_for(self, n: int, timeout: float) -> list[Delivery]:
+        """Wait until at least ``n`` writes arrived; return the log.
+
+        Raises:
+            TimeoutError: Fewer arrived within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while self.count() < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.count()} of {n} deliveries after {timeout} s")
+            time.sleep(0.01)
+        return self.log
+
+    def start(self) -> None:
+        """Serve in a thread."""
+        config = uvicorn.Config(self.app, log_config=None, log_level="critical", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + 5
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("counting provider did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Stop serving."""
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(10)
+        self._sock.close()
+
+    async def _deliver(self, request: Request) -> Response:
+        body = await request.json()
+        header = request.headers.get("idempotency-key")
+        key = header.strip('"') if header else None
+        d = Delivery(
+            str(body["run"]), str(body["label"]), key, request.headers.get("x-worker"), time.time()
+        )
+        with self._lock:
+            self._log.append(d)
+            response = {"id": len(self._log), "label": d.label}
+            if key is not None:
+                self._by_key[key] = response
+            hold = self.hold.pop(d.label, 0.0)
+        if hold:
+            await asyncio.sleep(hold)
+        return JSONResponse(response, 201)
+
+    async def _lookup(self, request: Request) -> Response:
+        with self._lock:
+            self.lookups += 1
+            found = self._by_key.get(request.path_params["key"])
+        if found is None:
+            return JSONResponse({"error": "unknown"}, 404)
+        return JSONResponse(found, 200)
