@@ -131,6 +131,7 @@ class Worker:
 
     def _drive(self, run_id: str) -> None:
         rt = self.runtime
+        _log_resume(rt, run_id)
         try:
             with self._renewing(run_id) as lost:
                 run = rt.drive(run_id, should_stop=lambda: self.stopping or lost.is_set())
@@ -215,3 +216,23 @@ class Worker:
                     pass
                 return
             waited += slice_s
+
+
+def _log_resume(rt: Runtime, run_id: str) -> None:
+    """Show the run's handoff note when a worker takes it up after earlier steps."""
+    try:
+        run = rt.store.get_run(run_id)
+    except OnceOnlyError:
+        return
+    if run.head_seq is None or run.head_seq < 1:
+        return
+    note = run.handoff
+    log.info(
+        "resume run %s at %s; goal: %s; done: %s; next: %s; ruled out: %s",
+        run_id,
+        run.next_step,
+        note.goal or "-",
+        "; ".join(note.done) or "-",
+        "; ".join(note.next) or "-",
+        "; ".join(note.ruled_out) or "-",
+    )
