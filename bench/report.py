@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from . import summary, w4
+from . import summary, w2lg, w4
 from ._util import median
 from .summary import MB, Target
 from .systems import LABELS, W1_LABELS
@@ -1012,6 +1012,8 @@ def render(results: dict[str, Any], docs: Path) -> Path:
         lines += _w3_section(results, s3, plots)
     if "w4" in results:
         lines += w4.section(results)
+    if "w2lg" in results:
+        lines += w2lg.section(results)
     if "bytes" in plots:
         lines += [
             "## Bytes stored versus steps",
@@ -1167,6 +1169,9 @@ def console_summary(results: dict[str, Any]) -> Table:
     if "w4" in results:
         for n, r in w4.summarize(results["w4"]).items():
             t.add_row("W4", f"{n} worker(s)", "effects/s", per_s(r["effects_per_s"]), "")
+    if "w2lg" in results:
+        for name, figure, value, x in w2lg.console_rows(results):
+            t.add_row("W2-LG", name, figure, value, x + TIMES)
     w4_targets = w4.targets(w4.summarize(results["w4"]), results["w4"]) if "w4" in results else []
     for tg in (
         summary.targets(

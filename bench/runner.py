@@ -33,7 +33,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from . import w1, w2, w3, w4, workload
+from . import w1, w2, w2lg, w3, w4, workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "latest.json"
@@ -519,7 +519,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="fewer repetitions, smaller W3 histories, one W1 probe round",
     )
     p.add_argument(
-        "--only", choices=["w1", "w2", "w3", "w4"], action="append", help="run one workload"
+        "--only",
+        choices=["w1", "w2", "w3", "w4", "w2lg"],
+        action="append",
+        help="run one workload",
     )
     p.add_argument("--out", type=Path, default=RESULTS, help="raw results JSON")
     p.add_argument("--docs", type=Path, default=DOCS, help="where performance.md goes")
@@ -549,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["checkpoint_src_sha256"] = source_digest(src)
     meta["ledger_src_sha256"] = source_digest(src, "ledger")
     lazy = probe_lazy(src)
-    every = ["w1", "w2", "w3", "w4"]
+    every = ["w1", "w2", "w3", "w4", "w2lg"]
     workloads = [w for w in every if w in (a.only or every)]
     missing = probe_peers(src) if "w1" in workloads else {}
     plan = make_plan(reps, samples, quick=a.quick, workloads=workloads, lazy=lazy, missing=missing)
@@ -588,7 +591,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             console=console,
         ) as progress:
             n_w4 = w4.phase_count(reps) if "w4" in plan.workloads else 0
-            total = progress.add_task("all phases", total=n_w1 + n_w2 + n_w3 + n_w4)
+            n_lg = w2lg.phase_count(reps, samples) if "w2lg" in plan.workloads else 0
+            total = progress.add_task("all phases", total=n_w1 + n_w2 + n_w3 + n_w4 + n_lg)
             if "w1" in plan.workloads:
                 results["w1"] = run_w1(plan, runner, progress, total)
             if "w2" in plan.workloads:
@@ -597,6 +601,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results["w3"] = run_w3(plan, runner, progress, total)
             if "w4" in plan.workloads:
                 results["w4"] = w4.run(reps, a.quick, runner, progress, total)
+            if "w2lg" in plan.workloads:
+                results["w2lg"] = w2lg.run(reps, samples, runner, progress, total)
     finally:
         if not a.keep_tmp:
             shutil.rmtree(tmp, ignore_errors=True)

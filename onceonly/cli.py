@@ -65,11 +65,17 @@ def demo_cmd(db: str | None, crash_at: str, seed: int | None) -> None:
 @cli.command("migrate")
 @click.option("--url", default=None, help=URL_HELP)
 @click.option("--sql", is_flag=True, help="Print the SQL instead of running it.")
-def migrate_cmd(url: str | None, sql: bool) -> None:
-    """Create or upgrade the database schema (checkpoint core and effects ledger)."""
+@click.option("--langgraph", is_flag=True, help="Also the LangGraph checkpointer's tables.")
+def migrate_cmd(url: str | None, sql: bool, langgraph: bool) -> None:
+    """Create or upgrade the database schema (checkpoint core and effects ledger; with
+    --langgraph also the LangGraph checkpointer's tables)."""
     target = db_url(url)
     click.echo(migrate(target, sql=sql), nl=not sql)
     click.echo(ledger_migrate(target, sql=sql), nl=not sql)
+    if langgraph:
+        from adapters._langgraph_schema import migrate as langgraph_migrate  # noqa: PLC0415
+
+        click.echo(langgraph_migrate(target, sql=sql), nl=not sql)
 
 
 cli.add_command(effects)

@@ -1,0 +1,236 @@
+"""OnceOnlySaver under real LangGraph graphs, on SQLite and PostgreSQL: the sync path,
+interrupts resumed in a fresh process, time travel, integrity, compact storage, deletion,
+and copying threads over from ``SqliteSaver``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.types import Command
+from sqlalchemy import create_engine, text
+
+from adapters._langgraph_values import SerdeValue, register
+from adapters.langgraph_saver import OnceOnlySaver, copy_threads
+from checkpoint import ConfigurationError, CorruptRecord, Store
+from tests.langgraph_saver_graph import START_INPUT, build, config, summary
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _first_run(saver: OnceOnlySaver, thread: str) -> Any:
+    """Run to the interrupt in ``review``."""
+    graph = build(saver)
+    out = graph.invoke(START_INPUT, config(thread))
+    assert "__interrupt__" in out
+    return graph
+
+
+def _sql(url: str, stmt: str, **params: Any) -> list[Any]:
+    eng = create_engine(url)
+    try:
+        with eng.begin() as conn:
+            res = conn.execute(text(stmt), params)
+            return list(res.all()) if res.returns_rows else []
+    finally:
+        eng.dispose()
+
+
+def test_sync_path_interrupt_resume_and_serde_values(db_url: str) -> None:
+    with OnceOnlySaver.from_url(db_url) as saver:
+        graph = _first_run(saver, "t1")
+        snap = graph.get_state(config("t1"))
+        assert snap.next == ("review",)
+        assert snap.tasks[0].interrupts[0].value["question"] == "publish?"
+        # Messages come back as LangChain messages, stored message by message.
+        assert [type(m) for m in snap.values["messages"]] == [HumanMessage, AIMessage]
+        out = graph.invoke(Command(resume="yes"), config("t1"))
+    assert summary(out)["trail"] == ["draft", "review:yes", "publish"]
+    assert out["facts"] == {"version": "1.2", "component": "langgraph", "published": "yes"}
+    # The message list is a list of serde leaves; plain channels are stored as themselves.
+    with Store.open(db_url) as store:
+        register(store.codec)  # the store's codec must know the serde leaves
+        (run,) = store.list_runs(flow="langgraph")
+        state = store.load(run.run_id).state
+    assert all(type(m) is SerdeValue for m in state["messages"])
+    assert state["trail"] == ["draft", "review:yes", "publish"]
+
+
+def test_resume_from_a_fresh_process(db_url: str) -> None:
+    with OnceOnlySaver.from_url(db_url) as saver:
+        _first_run(saver, "t-fresh")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.langgraph_saver_graph", db_url, "t-fresh", "ship it"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # draft ran once (before the interrupt, in this process); review and publish once.
+    assert out["trail"] == ["draft", "review:ship it", "publish"]
+    assert out["messages"] == [["human", "Write the release note"], ["ai", out["messages"][1][1]]]
+    assert out["facts"]["published"] == "ship it"
+
+
+def test_time_travel(db_url: str) -> None:
+    with OnceOnlySaver.from_url(db_url) as saver:
+        graph = _first_run(saver, "tt")
+        graph.invoke(Command(resume="yes"), config("tt"))
+        history = list(graph.get_state_history(config("tt")))
+        assert [h.metadata["step"] for h in history if h.metadata] == [3, 2, 1, 0, -1]
+        before_review = next(h for h in history if h.next == ("review",))
+        # Replay from the earlier checkpoint: review interrupts again; answer differently.
+        graph.invoke(None, before_review.config)
+        out = graph.invoke(Command(resume="no"), config("tt"))
+        assert out["trail"] == ["draft", "review:no", "publish"]
+        assert out["facts"]["published"] == "no"
+        # The original branch is still there.
+        again = list(graph.get_state_history(config("tt")))
+        assert len(again) > len(history)
+        assert any(h.values.get("answer") == "yes" for h in again)
+        # Reading a past checkpoint returns its state, not the latest.
+        past = graph.get_state(before_review.config)
+        assert past.values["trail"] == ["draft"]
+        assert "answer" not in past.values
+
+
+def test_async_path(db_url: str) -> None:
+    async def go() -> dict[str, Any]:
+        with OnceOnlySaver.from_url(db_url) as saver:
+            graph = build(saver)
+            await graph.ainvoke(START_INPUT, config("ta"))
+            out = await graph.ainvoke(Command(resume="async"), config("ta"))
+            states = [s async for s in graph.aget_state_history(config("ta"))]
+            assert len(states) == 5
+            return dict(out)
+
+    out = asyncio.run(go())
+    assert out["trail"] == ["draft", "review:async", "publish"]
+
+
+def test_tampered_blob_raises_corrupt_record(db_url: str) -> None:
+    big = "x" * 20_000  # encoded beyond the blob threshold: stored as a blob
+    with OnceOnlySaver.from_url(db_url) as saver:
+        cfg: Any = {"configurable": {"thread_id": "tamper", "checkpoint_ns": ""}}
+        cp: Any = {
+            "v": 4,
+            "id": "1f000000-0000-6000-8000-000000000001",
+            "ts": "2025-01-01T00:00:00+00:00",
+            "channel_values": {"doc": big, "n": 1},
+            "channel_versions": {"doc": "1", "n": "1"},
+            "versions_seen": {},
+            "updated_channels": None,
+        }
+        stored = saver.put(cfg, cp, {"source": "input", "step": -1}, {"doc": "1", "n": "1"})
+        saver.put_writes(stored, [("n", 2)], "task-1")
+        tup = saver.get_tuple(stored)
+        assert tup is not None
+        assert tup.checkpoint["channel_values"]["doc"] == big
+        assert tup.pending_writes == [("task-1", "n", 2)]
+    # Edit the blob behind the store's back: the next load refuses it.
+    _sql(db_url, "UPDATE oo_blobs SET data = :d", d=b'j"tampered"')
+    with OnceOnlySaver.from_url(db_url) as saver, pytest.raises(CorruptRecord) as err:
+        saver.get_tuple(stored)
+    assert err.value.blob is not None
+    # An edited checkpoint record or write is refused too.
+    _sql(db_url, "DELETE FROM oo_blobs")
+    _sql(db_url, "UPDATE oo_lg_writes SET value = :v", v=b"3")
+    with OnceOnlySaver.from_url(db_url) as saver, pytest.raises(CorruptRecord):
+        saver.get_tuple(stored)
+    _sql(db_url, "UPDATE oo_lg_checkpoints SET parent_checkpoint_id = 'elsewhere'")
+    with OnceOnlySaver.from_url(db_url) as saver, pytest.raises(CorruptRecord, match="digest"):
+        list(saver.list(None))
+
+
+def test_unchanged_channels_are_not_rewritten(db_url: str) -> None:
+    big = "y" * 50_000
+    with OnceOnlySaver.from_url(db_url) as saver:
+        parent: Any = {"configurable": {"thread_id": "compact", "checkpoint_ns": ""}}
+        for i in range(40):
+            cp: Any = {
+                "v": 4,
+                "id": f"1f000000-0000-6000-8000-{i:012d}",
+                "ts": "2025-01-01T00:00:00+00:00",
+                "channel_values": {"doc": big, "n": i, "log": [f"line {j}" for j in range(i)]},
+                "channel_versions": {"doc": "1", "n": str(i + 1), "log": str(i + 1)},
+                "versions_seen": {},
+                "updated_channels": None,
+            }
+            parent = saver.put(parent, cp, {"source": "loop", "step": i}, {"n": str(i + 1)})
+        tup = saver.get_tuple(parent)
+        assert tup is not None
+        assert tup.checkpoint["channel_values"]["log"][-1] == "line 38"
+    ((body, blobs),) = _sql(
+        db_url,
+        "SELECT (SELECT SUM(LENGTH(body)) FROM oo_checkpoints), "
+        "(SELECT SUM(LENGTH(data)) FROM oo_blobs)",
+    )
+    # 40 checkpoints of a 50 kB channel: the value is stored once (as a compressed
+    # content-addressed blob), each checkpoint costs its small delta.
+    assert int(blobs) < 10_000
+    assert int(body) < 20_000
+
+
+def test_delete_and_prune_remove_stored_values(db_url: str) -> None:
+    with OnceOnlySaver.from_url(db_url) as saver:
+        for thread in ("keep", "gone"):
+            graph = _first_run(saver, thread)
+            graph.invoke(Command(resume="yes"), config(thread))
+        saver.delete_thread("gone")
+        assert saver.get_tuple(config("gone")) is None
+        saver.prune(["keep"], strategy="keep_latest")
+        (only,) = list(saver.list(config("keep")))
+        assert only.checkpoint["channel_values"]["trail"] == ["draft", "review:yes", "publish"]
+        with pytest.raises(ConfigurationError):
+            saver.prune(["keep"], strategy="sometimes")
+        runs = _sql(db_url, "SELECT run_id FROM oo_runs")
+        assert len(runs) == 1  # the pruned namespace's one run; "gone"'s run is dropped
+        (count,) = _sql(db_url, "SELECT COUNT(*) FROM oo_checkpoints")
+        assert count[0] == 1  # the latest checkpoint, stored afresh as a keyframe
+        saver.delete_thread("keep")
+    rows = _sql(
+        db_url,
+        "SELECT (SELECT COUNT(*) FROM oo_blobs), (SELECT COUNT(*) FROM oo_blob_refs), "
+        "(SELECT COUNT(*) FROM oo_runs), (SELECT COUNT(*) FROM oo_lg_checkpoints)",
+    )
+    assert tuple(rows[0]) == (0, 0, 0, 0)
+
+
+def test_copy_threads_from_sqlite_saver(db_url: str, tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "langgraph.db", check_same_thread=False)
+    try:
+        source = SqliteSaver(conn)
+        graph = build(source)
+        for thread in ("m1", "m2"):
+            graph.invoke(START_INPUT, config(thread))
+        graph.invoke(Command(resume="before"), config("m2"))
+        src_history = {t: list(graph.get_state_history(config(t))) for t in ("m1", "m2")}
+        with OnceOnlySaver.from_url(db_url) as target:
+            assert copy_threads(source, target) == sum(len(h) for h in src_history.values())
+            moved = build(target)
+            for thread, hist in src_history.items():
+                got = list(moved.get_state_history(config(thread)))
+                assert [h.config["configurable"]["checkpoint_id"] for h in got] == [
+                    h.config["configurable"]["checkpoint_id"] for h in hist
+                ]
+                assert [summary(h.values) for h in got] == [summary(h.values) for h in hist]
+            # m1 waits at its interrupt on the new saver, and resumes there.
+            assert moved.get_state(config("m1")).next == ("review",)
+            out = moved.invoke(Command(resume="after"), config("m1"))
+            assert out["trail"] == ["draft", "review:after", "publish"]
+            # Copying again overwrites with equal checkpoints.
+            assert copy_threads(source, target, thread_ids=["m2"]) == len(src_history["m2"])
+            assert len(list(target.list(config("m2")))) == len(src_history["m2"])
+    finally:
+        conn.close()

@@ -1,0 +1,62 @@
+"""LangGraph's own conformance suite (``langgraph-checkpoint-conformance``) against
+:class:`~adapters.langgraph_saver.OnceOnlySaver`, on SQLite and on PostgreSQL.
+
+Each capability suite gets a fresh saver on the same database, as the suite intends:
+58 base tests (put, put_writes, get_tuple, list, delete_thread) and 23 for the optional
+capabilities the saver implements (delete_for_runs, copy_thread, prune). Run twice: on
+a store the saver opens itself (``exit`` durability: one transaction per put) and on a
+store the caller passes in (``sync`` durability: values, then the record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from langgraph.checkpoint.conformance import checkpointer_test, validate
+from langgraph.checkpoint.conformance.report import CapabilityReport
+
+from adapters.langgraph_saver import OnceOnlySaver
+from checkpoint import Store
+
+OPTIONAL = ("copy_thread", "delete_for_runs", "prune")
+
+
+def _run(url: str, *, own_store: bool) -> CapabilityReport:
+    name = f"onceonly-{'own' if own_store else 'shared'}-{url.split(':', 1)[0]}"
+
+    @checkpointer_test(name=name)
+    async def saver() -> AsyncIterator[OnceOnlySaver]:
+        if own_store:
+            with OnceOnlySaver.from_url(url) as s:
+                yield s
+            return
+        store = Store.open(url)
+        try:
+            yield OnceOnlySaver(store)
+        finally:
+            store.close()
+
+    return asyncio.run(validate(saver))
+
+
+def _failures(report: CapabilityReport) -> list[str]:
+    return [f for r in report.results.values() for f in r.failures]
+
+
+@pytest.mark.parametrize("own_store", [True, False], ids=["from_url", "shared_store"])
+def test_conformance(db_url: str, *, own_store: bool) -> None:
+    report = _run(db_url, own_store=own_store)
+    assert report.passed_all_base(), _failures(report)
+    base = sum(
+        report.results[c].tests_passed
+        for c in ("put", "put_writes", "get_tuple", "list", "delete_thread")
+    )
+    assert base == 58
+    for cap in OPTIONAL:
+        result = report.results[cap]
+        assert result.detected, cap
+        assert result.passed is True, result.failures
+    assert sum(report.results[c].tests_passed for c in OPTIONAL) == 23
+    assert report.passed_all()
