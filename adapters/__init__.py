@@ -4,7 +4,8 @@ Built on the effects ledger (``ledger``); imports nothing from ``onceonly``. The
 itself (:func:`guard`, keys from :func:`step`), and adapters for e-mail (SMTP, probed by
 IMAP), rows in your own tables (``GuardedTable``) and LangGraph tool calls
 (``ToolGuard``). Adapters with optional dependencies live in submodules: HTTP
-(``adapters.http``), bookings (``adapters.booking``) and MCP (``adapters.mcp``).
+(``adapters.http``), bookings (``adapters.booking``), MCP (``adapters.mcp``) and the
+LangGraph checkpointer (``adapters.langgraph_saver``).
 """
 
 from .context import StepDiverged, current_claim, identity_for, step
