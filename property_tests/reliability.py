@@ -46,6 +46,10 @@ FIELDS = (
 )
 
 
+EXPECTED_SUITES = ("S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8", "S9")
+"""Every suite must write a report; S10 is the positive controls each of them runs."""
+
+
 def depth() -> str:
     """``ci`` (default) or ``deep``."""
     value = os.environ.get("RELIABILITY_DEPTH", "ci")
@@ -183,9 +187,16 @@ def summary(report_dir: Path = REPORT_DIR) -> tuple[str, bool]:
     lines = [" | ".join(head)]
     for data, verdict in rows:
         lines.append(" | ".join([*(str(data.get(c, "")) for c in cols), verdict]))
-    if not rows:
+    found = {str(data["suite"]) for data, _ in rows}
+    missing = [name for name in EXPECTED_SUITES if name not in found]
+    if missing:
         ok = False
-        lines.append("no reliability reports were written")
+        lines.append(f"FAIL: no report from {', '.join(missing)} (a suite that did not run)")
+    run = sum(int(data.get("controls_run", 0)) for data, _ in rows)
+    caught = sum(int(data.get("controls_caught", 0)) for data, _ in rows)
+    verdict = "ok" if run and run == caught else "FAIL"
+    ok = ok and verdict == "ok"
+    lines.append(f"S10 positive controls: run {run}, caught {caught}: {verdict}")
     return "\n".join(lines), ok
 
 
