@@ -22,6 +22,7 @@ import tenacity
 from opentelemetry import trace
 
 from checkpoint.errors import ConfigurationError
+from checkpoint.failpoints import failpoint
 from ledger import (
     Claim,
     EffectFailed,
@@ -319,6 +320,7 @@ def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], A
                 if isinstance(out, Replay):
                     _finish(span, "replayed", None, attempt)
                     return out.result
+                failpoint("adapters.act.before")
                 try:
                     with _acting(out):
                         result = act()
@@ -326,6 +328,7 @@ def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], A
                     signal = _after_error(spec, out, exc)
                     resend, last = signal.claim, exc
                     continue
+                failpoint("adapters.act.after")
                 ledger.commit(out, result)
                 _finish(span, "executed", out, attempt)
                 return result
@@ -377,6 +380,7 @@ async def _run_async(
                 if isinstance(out, Replay):
                     _finish(span, "replayed", None, attempt)
                     return out.result
+                failpoint("adapters.act.before")
                 try:
                     with _acting(out):
                         result = await act()
@@ -384,6 +388,7 @@ async def _run_async(
                     signal = await call(functools.partial(_after_error, spec, out, exc))
                     resend, last = signal.claim, exc
                     continue
+                failpoint("adapters.act.after")
                 await call(functools.partial(ledger.commit, out, result))
                 _finish(span, "executed", out, attempt)
                 return result

@@ -29,6 +29,7 @@ from .errors import (
     WaitRefused,
     WeakDurabilityError,
 )
+from .failpoints import arm, armed, disarm, failpoint
 from .records import (
     CheckpointInfo,
     Durability,
@@ -86,7 +87,11 @@ __all__ = [
     "Waits",
     "WeakDurabilityError",
     "apply_migrations",
+    "arm",
+    "armed",
+    "disarm",
     "ensure_schema",
+    "failpoint",
     "migrate",
     "migrate_component",
     "notify_ready",

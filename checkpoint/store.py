@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from .errors import (
     StateVersionError,
     StoreError,
 )
+from .failpoints import failpoint
 from .records import (
     CheckpointInfo,
     Durability,
@@ -190,7 +192,9 @@ class Store:
         self._gen = 0
         self._dead_gen = -1
         self._local = threading.local()
-        self._pinned: list[Any] = []
+        # Each thread's pinned connection, with the thread it belongs to: a connection of a
+        # thread that has exited (a thread pool's, a LangGraph invoke's) goes back.
+        self._pinned: list[tuple[weakref.ref[threading.Thread], Any]] = []
         self._pin_lock = threading.Lock()
         _check_schema(engine, create=create)
         self._sql = _SQL(self._dialect)
@@ -311,10 +315,11 @@ class Store:
         if getattr(local, "busy", False):
             return self.engine.raw_connection(), False  # nested: a pooled one
         if conn is None:
+            self._reap_exited()
             conn = self.engine.raw_connection()
             local.conn = conn
             with self._pin_lock:
-                self._pinned.append(conn)
+                self._pinned.append((weakref.ref(threading.current_thread()), conn))
         local.busy = True
         return conn, True
 
@@ -331,8 +336,7 @@ class Store:
             self._local.busy = False
             self._local.conn = None
             with self._pin_lock:
-                if conn in self._pinned:
-                    self._pinned.remove(conn)
+                self._pinned = [(t, c) for t, c in self._pinned if c is not conn]
         with contextlib.suppress(*DRIVER_ERRORS):
             if invalidate:
                 conn.invalidate()
@@ -342,7 +346,18 @@ class Store:
     def _close_pinned(self) -> None:
         with self._pin_lock:
             conns, self._pinned = self._pinned, []
-        for conn in conns:
+        for _, conn in conns:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
+
+    def _reap_exited(self) -> None:
+        """Return the pinned connections of threads that have exited to the pool."""
+        with self._pin_lock:
+            gone = [c for t, c in self._pinned if (th := t()) is None or not th.is_alive()]
+            if not gone:
+                return
+            self._pinned = [(t, c) for t, c in self._pinned if c not in gone]
+        for conn in gone:
             with contextlib.suppress(*DRIVER_ERRORS):
                 conn.close()
 
@@ -445,6 +460,7 @@ class Store:
             "updated_at": now,
         }
         try:
+            failpoint("checkpoint.run.write")
             with translate("create a run"), self.engine.begin() as conn:
                 conn.execute(_schema.runs.insert().values(**values))
                 if key_run is not None and key_run != rid:
@@ -522,6 +538,7 @@ class Store:
         if code_version is not None:
             values["code_version"] = code_version
         r = _schema.runs
+        failpoint("checkpoint.run.write")
         with translate("update a run"), self.engine.begin() as conn:
             res = conn.execute(update(r).where(r.c.run_id == run_id).values(**values))
             if res.rowcount == 0:
@@ -540,6 +557,7 @@ class Store:
             raise ConfigurationError("lease ttl_s must be > 0")
         now = time.time()
         r = _schema.runs
+        failpoint("checkpoint.run.write")
         with translate("take a lease"), self.engine.begin() as conn:
             res = conn.execute(
                 update(r)
@@ -566,6 +584,7 @@ class Store:
         """Give up the lease if ``owner`` holds it. Returns whether it was held."""
         self._check_open()
         r = _schema.runs
+        failpoint("checkpoint.run.write")
         with translate("release a lease"), self.engine.begin() as conn:
             res = conn.execute(
                 update(r)
@@ -825,6 +844,8 @@ class Store:
                     )
                     cur.execute(f"ROLLBACK TO SAVEPOINT oo_p{i}")
                 cur.execute(f"RELEASE SAVEPOINT oo_p{i}")
+            failpoint("checkpoint.commit.before")
+        failpoint("checkpoint.commit.after")
 
     def _write_loop(self) -> None:
         while True:

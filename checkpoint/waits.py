@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import blake3
 
 from .errors import ConfigurationError, WaitNotFound, WaitRefused
+from .failpoints import failpoint
 
 if TYPE_CHECKING:
     from .store import Store
@@ -233,7 +234,9 @@ class Waits:
                 row = cur.fetchone()
             return tuple(row)
 
+        failpoint("waits.open.before")
         wait = self._wait(self.store.transact(txn))
+        failpoint("waits.open.after")
         if wait.kind is not kind:
             raise WaitRefused(
                 run_id,
@@ -291,7 +294,9 @@ class Waits:
                 (now, run_id, name, now),
             )
 
+        failpoint("waits.settle.before")
         self.store.transact(txn)
+        failpoint("waits.settle.after")
         return self.get(run_id, name)
 
     # -- decisions from any process ----------------------------------------------------

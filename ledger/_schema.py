@@ -75,6 +75,10 @@ audit = Table(
     sqlite_with_rowid=False,
 )
 
+# Reads check a row against its key's last audit event, and a claim of a new key checks
+# that the key has no events (a deleted row): both seek by (chain, key_id), newest first.
+audit_by_key = Index("oo_audit_key", audit.c.chain, audit.c.key_id, audit.c.seq)
+
 data_keys = Table(
     "oo_data_keys",
     metadata,
@@ -95,6 +99,11 @@ LEDGER_MIGRATIONS: tuple[Migration, ...] = (
             CreateTable(audit),
             CreateTable(data_keys),
         ),
+    ),
+    Migration(
+        2,
+        "index of audit events by key: every read checks a row against its last event",
+        (CreateIndex(audit_by_key),),
     ),
 )
 LEDGER_SCHEMA_VERSION = LEDGER_MIGRATIONS[-1].version

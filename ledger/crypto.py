@@ -83,6 +83,8 @@ class Sealer:
         """
         if sealed[:1] != _VERSION:
             raise CorruptRecord("sealed payload has an unknown format")
+        if len(sealed) < 1 + _NONCE + 16:
+            raise CorruptRecord("sealed payload is truncated")
         try:
             return cipher.decrypt(sealed[1 : 1 + _NONCE], sealed[1 + _NONCE :], aad)
         except InvalidTag as exc:

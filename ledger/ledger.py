@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from checkpoint import Codec, Store, ensure_schema
 from checkpoint.errors import CodecError, ConfigurationError, CorruptRecord, StoreError
+from checkpoint.failpoints import failpoint
 
 from . import _schema
 from ._queries import QueryMixin
@@ -66,6 +67,13 @@ _SELECT = SELECT
 _TERMINAL = TERMINAL
 _row = effect_row
 _record = effect_record
+# Failpoints (before, after) around recording each kind of outcome, by its audit event.
+_RECORD_POINTS = {
+    "committed": ("ledger.commit.before", "ledger.commit.after"),
+    "failed": ("ledger.fail.before", "ledger.fail.after"),
+    "unknown": ("ledger.mark_unknown.before", "ledger.mark_unknown.after"),
+    "not_sent": ("ledger.release.before", "ledger.release.after"),
+}
 
 
 @dataclass(frozen=True)
@@ -155,6 +163,8 @@ class Ledger(QueryMixin):
             return self.store.transact(fn)
         except LedgerError:
             raise  # the state machine's own answers (LeaseLost, InvalidTransition, ...)
+        except CorruptRecord:
+            raise  # a tampered entry, refused before anything was written (I4)
         except Exception as exc:
             # Anything else (a store or driver error, a background write failure, a bug)
             # means the transition is not known to be recorded: fail closed.
@@ -214,6 +224,8 @@ class Ledger(QueryMixin):
         """
         self._check()
         pclass = ProviderClass(provider_class)
+        # the database returns a float: audit the row as it will be read back
+        window_s = None if window_s is None else float(window_s)
         if pclass is ProviderClass.DEDUPLICATING and (window_s is None or window_s <= 0):
             raise ConfigurationError("a class A (deduplicating) provider needs window_s > 0")
         canonical = canonical_args(args, self.codec)
@@ -238,12 +250,14 @@ class Ledger(QueryMixin):
         deadline = self._clock() + self.in_flight.wait_s
         backoff = self.in_flight.initial_backoff_s
         while True:
+            failpoint("ledger.claim.before")
             out = self._write(
                 lambda cur: self._claim_txn(
                     cur, identity, candidates, fps, canonical, pclass, window_s, subj, chain
                 ),
                 outcome=False,
             )
+            failpoint("ledger.claim.after")
             if out.cipher is not None:
                 self._sealer.remember(*out.cipher)
             if out.kind == "claim":
@@ -293,6 +307,7 @@ class Ledger(QueryMixin):
         cur.execute(f"{_SELECT} WHERE key_id IN ({marks}){lock}", ids)
         found = cur.fetchall()
         if not found:
+            self._check_absent(cur, chain, ids)
             sid, kid = candidates[0]
             new_cipher = self._cipher_in_txn(cur, subject)
             row: Row = {
@@ -334,6 +349,7 @@ class Ledger(QueryMixin):
             cur.execute(f"{_SELECT} WHERE key_id = {q}{lock}", (kid,))
             found = cur.fetchall()
         row = _row(found[0])
+        self._check_row(cur, row)
         if row["fingerprint"] != fps.get(row["secret_id"]):
             return _Outcome("reuse", row)
         status = row["status"]
@@ -441,11 +457,13 @@ class Ledger(QueryMixin):
         )
         if isinstance(out, Replay):
             return out.result  # type: ignore[no-any-return]
+        failpoint("adapters.act.before")
         try:
             result = act(out)
         except BaseException as exc:
             self._record_failure(out, exc, classify)
             raise
+        failpoint("adapters.act.after")
         self._commit_row(out, result)
         return result
 
@@ -471,6 +489,7 @@ class Ledger(QueryMixin):
         )
         if isinstance(out, Replay):
             return out.result  # type: ignore[no-any-return]
+        failpoint("adapters.act.before")
         try:
             result = await act(out)
         except BaseException as exc:
@@ -478,6 +497,7 @@ class Ledger(QueryMixin):
                 self.executor(), functools.partial(self._record_failure, out, exc, classify)
             )
             raise
+        failpoint("adapters.act.after")
         await loop.run_in_executor(self.executor(), lambda: self.commit(out, result))
         return result
 
@@ -490,6 +510,7 @@ class Ledger(QueryMixin):
             UnknownEffect: No such entry.
         """
         row = self._get_row(key_id)
+        self.store.read(lambda cur: self._check_row(cur, row))
         if row["status"] not in _TERMINAL:
             raise InvalidTransition(key_id, row["status"], "replay an unfinished effect")
         return self._replay(row)
@@ -705,6 +726,7 @@ class Ledger(QueryMixin):
             if found is None:
                 raise UnknownEffect(claim.key_id)
             row = _row(found)
+            self._check_row(cur, row)
             moved = None
             if int(row["epoch"]) == claim.epoch and row["status"] == EffectStatus.CLAIMED.value:
                 moved = self._transition(
@@ -721,10 +743,13 @@ class Ledger(QueryMixin):
                 raise LeaseLost(claim.key_id, claim.epoch, int(row["epoch"]), row["status"])
             return moved
 
+        failpoint(_RECORD_POINTS[event][0])
         try:
-            return self._write(txn, outcome=True)
+            row = self._write(txn, outcome=True)
         finally:
             self._live.discard((claim.key_id, claim.epoch))
+        failpoint(_RECORD_POINTS[event][1])
+        return row
 
     def _lost(self, cur: Any, claim: Claim) -> LeaseLost:
         cur.execute(
@@ -820,7 +845,9 @@ class Ledger(QueryMixin):
                 key_id,
             ), False
 
+        failpoint("ledger.reconcile.before")
         row, resend = self._write(txn, outcome=False)
+        failpoint("ledger.reconcile.after")
         if row["status"] in _TERMINAL:
             self._terminal[key_id] = row
         if resend:
@@ -888,7 +915,66 @@ class Ledger(QueryMixin):
         found = cur.fetchone()
         if found is None:
             raise UnknownEffect(key_id)
-        return _row(found)
+        row = _row(found)
+        self._check_row(cur, row)
+        return row
+
+    # -- integrity of rows on read (I4) ----------------------------------------------------
+    def _check_row(self, cur: Any, row: Row) -> None:
+        """Refuse a row that differs from the state its last audit event recorded.
+
+        Raises:
+            CorruptRecord: The row was edited, forged or moved to another run's chain.
+        """
+        q = self._q
+        cur.execute(
+            f"SELECT row_digest FROM oo_audit WHERE chain = {q} AND key_id = {q} "
+            f"ORDER BY seq DESC LIMIT 1",
+            (row["chain"], row["key_id"]),
+        )
+        found = cur.fetchone()
+        if found is None or bytes(found[0]) != row_digest(row):
+            raise CorruptRecord(
+                f"effect {row['key_id']} differs from its audit trail (edited, forged or "
+                f"moved); it is not acted on. Run `onceonly audit verify` and resolve it by hand",
+                run_id=row["run_id"],
+            )
+
+    def _check_absent(self, cur: Any, chain: str, ids: list[str]) -> None:
+        """Refuse to claim a key whose row is gone while its audit events remain (a
+        deleted row would otherwise let the effect happen again); a row removed by
+        retention ends with a ``retired`` event.
+
+        Raises:
+            CorruptRecord: The entry's row was deleted.
+        """
+        q = self._q
+        marks = ", ".join([q] * len(ids))
+        cur.execute(
+            f"SELECT key_id, event FROM oo_audit WHERE chain = {q} AND key_id IN ({marks}) "
+            f"ORDER BY seq DESC LIMIT 1",
+            (chain, *ids),
+        )
+        found = cur.fetchone()
+        if found is not None and found[1] != "retired":
+            raise CorruptRecord(
+                f"effect {found[0]} has audit events but no row (deleted); it is not acted "
+                f"on. Run `onceonly audit verify` and resolve it by hand",
+                run_id=None if chain.startswith("tenant:") else chain,
+            )
+
+    def _audited_rows(self, cur: Any, rows: list[Row]) -> list[Row]:
+        """The rows that match their chains' last audited states (one scan per chain);
+        the others are left out, to be refused one by one when a claim reads them."""
+        last: dict[tuple[str, str], bytes] = {}
+        for chain in sorted({r["chain"] for r in rows}):
+            cur.execute(
+                f"SELECT key_id, row_digest FROM oo_audit WHERE chain = {self._q} ORDER BY seq",
+                (chain,),
+            )
+            for kid, digest in cur.fetchall():
+                last[(chain, kid)] = bytes(digest)
+        return [r for r in rows if last.get((r["chain"], r["key_id"])) == row_digest(r)]
 
     # -- transitions and the audit chain --------------------------------------------------
     def _transition(
@@ -1075,7 +1161,7 @@ class Ledger(QueryMixin):
             cur.execute(
                 f"{_SELECT} WHERE run_id = {q} AND status IN ({q}, {q})", (run_id, *_TERMINAL)
             )
-            return [_row(r) for r in cur.fetchall()]
+            return self._audited_rows(cur, [_row(r) for r in cur.fetchall()])
 
         rows = self.store.read(scan)
         with self._lock:

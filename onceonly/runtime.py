@@ -44,6 +44,7 @@ from checkpoint import (
     WaitStatus,
     notify_ready,
 )
+from checkpoint.failpoints import failpoint
 from ledger import (
     EffectInDoubt,
     EffectInFlight,
@@ -258,6 +259,7 @@ class Runtime:
     def _run_step(
         self, run: Run, flow: Flow, state: dict[str, Any], meta: dict[str, Any], parent: int
     ) -> bool:
+        failpoint("runtime.step.before")
         name = str(run.next_step)
         fn = flow.get(name)
         visits = dict(meta.get("visits") or {})
@@ -543,6 +545,7 @@ class Runtime:
             # checkpoint stands and this step's result is dropped (its effects are in the
             # ledger and replay if the step runs again).
             return False
+        failpoint("runtime.step.after")
         return True
 
     def _flow(self, run_id: str, name: str) -> Flow:

@@ -872,3 +872,19 @@ def test_policies_refuse_bad_settings() -> None:
         KeyframePolicy(max_deltas=-1)
     with pytest.raises(ConfigurationError):
         KeyframePolicy(replay_ratio=0)
+
+
+def test_connections_of_exited_threads_go_back_to_the_pool(store: Store) -> None:
+    import threading
+
+    rid = store.create_run("f").run_id
+    store.save(rid, {"n": 0}, step="s")
+    # More short-lived threads than the pool holds (LangGraph runs each invoke on a new
+    # thread pool; ctx.parallel starts threads per step): none may keep its connection.
+    for i in range(40):
+        t = threading.Thread(target=lambda i=i: store.load(rid))
+        t.start()
+        t.join(10)
+        assert not t.is_alive()
+    assert len(store._pinned) <= 2  # this thread's, and at most the last exited one
+    assert store.load(rid).state == {"n": 0}
