@@ -119,6 +119,14 @@ def _lookup_url(template: str, record: EffectRecord) -> str:
     return template.format(key=urllib.parse.quote(record.provider_key, safe=""))
 
 
+def _probe_fence(record: EffectRecord) -> dict[str, str]:
+    """The lookup of an in-doubt entry carries the fencing token of the epoch a re-send
+    would use: a provider that checks tokens fences out the in-doubt attempt from then
+    on, so a stale send still in flight (its worker paused or slow past its lease)
+    cannot land between a "not found" answer and the re-send."""
+    return {_FENCING_HEADER: f"{record.provider_key}:{record.epoch + 1}"}
+
+
 def _evidence(resp: httpx.Response) -> tuple[Evidence, Any]:
     if 200 <= resp.status_code < 300:
         return Evidence.HAPPENED, {"status": resp.status_code, "json": _body(resp)}
@@ -161,7 +169,7 @@ class GuardedHTTP:
 
         def probe(record: EffectRecord) -> tuple[Evidence, Any]:
             try:
-                resp = self.client.get(_lookup_url(template, record))
+                resp = self.client.get(_lookup_url(template, record), headers=_probe_fence(record))
             except httpx.HTTPError:
                 return Evidence.INCONCLUSIVE, None
             return _evidence(resp)
@@ -247,7 +255,9 @@ class AsyncGuardedHTTP:
 
         async def get(record: EffectRecord) -> tuple[Evidence, Any]:
             try:
-                resp = await self.client.get(_lookup_url(template, record))
+                resp = await self.client.get(
+                    _lookup_url(template, record), headers=_probe_fence(record)
+                )
             except httpx.HTTPError:
                 return Evidence.INCONCLUSIVE, None
             return _evidence(resp)

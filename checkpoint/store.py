@@ -605,6 +605,7 @@ class Store:
         source: Source | str = Source.STEP,
         schema_version: int | None = None,
         handoff: Handoff | None = None,
+        parent: int | None = None,
     ) -> CheckpointInfo:
         """Checkpoint the run's whole state; only what changed since the parent is stored.
 
@@ -620,17 +621,22 @@ class Store:
             source: Who wrote it.
             schema_version: The state-schema version (default: the run's).
             handoff: The run's new handoff note, written atomically with the checkpoint.
+            parent: The sequence number the caller built this state on (``-1``: the run
+                must have no checkpoint yet); another head is a ``ConcurrentWrite``.
 
         Returns:
             The new checkpoint's metadata (durable on return in ``sync`` mode).
 
         Raises:
             CodecError: A value cannot be encoded; nothing was written.
-            ConcurrentWrite: Another writer advanced the run; nothing was written.
+            ConcurrentWrite: Another writer advanced the run (or its head is not
+                ``parent``); nothing was written.
         """
         with self._lock:
             self._check_open()
             head = self._head(run_id)
+            if parent is not None and (-1 if head is None else head.seq) != parent:
+                raise ConcurrentWrite(run_id, parent)
             ops = _delta.diff(head.state if head else {}, state, self.codec)
             return self._commit_ops(
                 run_id, head, ops, step, next_step, status, source, schema_version, handoff

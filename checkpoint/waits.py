@@ -293,6 +293,11 @@ class Waits:
                 f"AND due_at IS NOT NULL AND due_at <= {q}",
                 (now, run_id, name, now),
             )
+            if cur.rowcount:
+                # Wake the run in the same transaction: a worker that dies after this
+                # commit and before its checkpoint leaves a running (claimable) run, not
+                # a waiting one whose timer is no longer open (that no worker would claim).
+                self._wake(cur, run_id, now)
 
         failpoint("waits.settle.before")
         self.store.transact(txn)

@@ -170,8 +170,18 @@ class Runtime:
             "next": f.start,
         }
         initial[META] = meta
+        store = self.store
         try:
-            self.store.save(rid, initial, step="start", next_step=f.start, status=RunStatus.RUNNING)
+            # Only ever the run's first checkpoint: a starter that finds one (another
+            # starter won the race) leaves it alone instead of writing a second on top.
+            store.save(
+                rid,
+                initial,
+                step="start",
+                next_step=f.start,
+                status=RunStatus.RUNNING,
+                parent=-1,
+            )
         except ConcurrentWrite:
             return rid  # another process started the same run id at the same moment
         self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
@@ -436,6 +446,12 @@ class Runtime:
         resolves it (:meth:`Operator.resolve` signals the run), then re-runs the step."""
         key_id = str(doubt.key_id)
         record = self.ledger.get(key_id)
+        if record.status not in _IN_DOUBT:
+            # Settled already (the guard's probe proved it did not happen, or it was
+            # resolved): run the step again rather than park. Parking first and
+            # signalling after would leave the run waiting forever if this worker died
+            # in between (nobody else signals an effect that is no longer in doubt).
+            return True
         base = f"effect:{key_id[:16]}:{record.epoch}"
         name, n = base, 1
         while self.waits.open(run.run_id, name, WaitKind.SIGNAL).settled:

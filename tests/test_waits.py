@@ -306,12 +306,14 @@ def test_claim_ready_finds_exactly_the_runs_that_can_move(
     ]:
         waiting_run(store, rid)
         waits.open(rid, "w", kind, due_at=due, subject=SUBJECT)
-    waiting_run(store, "timer-fired")  # settled already: its run was woken, not this way
+    # Fired by a worker that died before its checkpoint: firing woke the run (running),
+    # so it is ready again rather than stuck waiting on a timer that is no longer open.
+    waiting_run(store, "timer-fired")
     waits.open("timer-fired", "w", WaitKind.TIMER, due_at=now - 1)
     waits.fire_if_due("timer-fired", "w")
 
     got = waits.claim_ready("me", 60, limit=100)
-    assert sorted(got) == ["approval-expired", "new", "timer-due"]
+    assert sorted(got) == ["approval-expired", "new", "timer-due", "timer-fired"]
     for rid in got:
         run = store.get_run(rid)
         assert run.lease_owner == "me"

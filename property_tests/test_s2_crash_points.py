@@ -1,0 +1,515 @@
+"""S2: crash at every durable point (RELIABILITY.md), with the public harness
+:func:`onceonly.testing.crash_at_every_point`.
+
+For each scenario the harness counts the K failpoints an undisturbed run passes, then for
+each chosen k runs it on a fresh database, crashes at the k-th, resumes it as a restarted
+worker, and counts from the fake providers' raw logs: duplicates (I1), losses (I2), a
+resume that re-acted on a recorded effect (I3), runs that did not finish (liveness).
+
+What runs (CI tier; the deep tier in brackets):
+
+* every effect sequence of length <= 3 over provider classes A/B/C (39), all in one step,
+  crashed at every distinct point, in-process (mode 1), on SQLite [also one effect per
+  step, at every point];
+* two sequences at *every* point, not only the distinct ones (the equivalence the
+  distinct choice relies on is checked, not assumed);
+* a seeded sample of length-3 sequences on PostgreSQL [all 39];
+* a few sequences in child processes that ``os._exit`` at the point (mode 2) [all 39];
+* generated scenarios (5-30 effects, waits, parallel branches, recorded choices,
+  definite refusals and provider faults): 40 in mode 1, 15 in mode 2, each crashed at a
+  seeded sample of its distinct points [x20 scenarios, every distinct point];
+* positive controls: the same harness against a ledger that forgets what was applied,
+  and one that takes a crashed attempt for one that never left, must find duplicates;
+* every known failpoint must have been passed by some run.
+
+Per-scenario K, distinct points and failpoints never hit go to
+``reports/reliability/details/S2.json``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from checkpoint.failpoints import KNOWN_FAILPOINTS
+from ledger import Ledger
+from ledger.ledger import _Outcome
+from ledger.records import EffectStatus
+from onceonly.testing import (
+    Clock,
+    HarnessReport,
+    HTTPProvider,
+    PostgresDatabases,
+    Scenario,
+    SQLiteDatabases,
+    crash_at_every_point,
+)
+
+from .crash_flows import CLIENTS, WINDOW_S, plan_flow
+from .reliability import REPORT_DIR, SuiteReport, depth, scaled, seeds
+
+pytestmark = pytest.mark.slow
+
+CLASSES = ("A", "B", "C")
+SEQUENCES = [list(seq) for n in (1, 2, 3) for seq in itertools.product(CLASSES, repeat=n)]  # 39
+
+
+class Suite:
+    """The S2 report, the failpoints seen, and per-scenario details."""
+
+    def __init__(self) -> None:
+        self.report = SuiteReport(suite="S2")
+        self.seen: set[str] = set()
+        self.details: list[dict[str, Any]] = []
+
+    def add(self, name: str, got: HarnessReport, *, chosen: int) -> None:
+        rep = self.report
+        rep.add(
+            scenarios=1,
+            crash_points=chosen,
+            runs=got.runs,
+            effects=got.effects,
+            raw_deliveries=got.raw_requests,
+            duplicates=got.duplicates,
+            lost=got.lost + got.stuck,
+            needs_human=got.needs_human,
+        )
+        self.seen |= got.seen
+        self.details.append(
+            {
+                "scenario": name,
+                "mode": got.mode,
+                "K": got.crash_points,
+                "distinct": got.distinct_points,
+                "crashed_at": chosen,
+                "runs": got.runs,
+                "deliveries": got.deliveries,
+                "needs_human": got.needs_human,
+                "failed": got.failed,
+                "not_reached": got.not_reached,
+                "never_hit": list(got.never_hit),
+                "problems": got.problems[:20],
+            }
+        )
+
+    def write_details(self) -> None:
+        path = REPORT_DIR / "details"
+        path.mkdir(parents=True, exist_ok=True)
+        never = [n for n in KNOWN_FAILPOINTS if n not in self.seen]
+        data = {"tier": depth(), "never_hit": never, "scenarios": self.details}
+        (path / "S2.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+@pytest.fixture(scope="module")
+def suite() -> Iterator[Suite]:
+    s = Suite()
+    yield s
+    s.write_details()
+    s.report.check()
+
+
+@pytest.fixture(scope="module")
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture(scope="module")
+def fakes(clock: Clock) -> Iterator[dict[str, HTTPProvider]]:
+    """One fake per provider class, sharing the harness's clock; in-process runs use
+    their refusing clients (so ``refuse`` faults refuse the connection)."""
+    out = {c: HTTPProvider(c, clock=clock, window_s=WINDOW_S).start() for c in CLASSES}
+    for p in out.values():
+        CLIENTS[p.url] = p.client(timeout=10.0)
+    try:
+        yield out
+    finally:
+        for p in out.values():
+            CLIENTS.pop(p.url).close()
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def sqlite() -> Iterator[SQLiteDatabases]:
+    shm = "/dev/shm"  # noqa: S108  (a private directory in it, made by mkdtemp)
+    where = tempfile.mkdtemp(prefix="onceonly-s2-", dir=shm if os.path.isdir(shm) else None)
+    dbs = SQLiteDatabases(where)
+    try:
+        yield dbs
+    finally:
+        dbs.close()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def scenario(fakes: dict[str, HTTPProvider], plan: list[dict[str, Any]]) -> Scenario:
+    urls = {c: p.url for c, p in fakes.items()}
+    return Scenario(plan_flow, {"urls": urls, "plan": plan}, signals={})
+
+
+def one_step(seq: list[str]) -> list[dict[str, Any]]:
+    effects = [[c, f"s{i}-{c}", False] for i, c in enumerate(seq)]
+    return [{"op": "effects", "effects": effects}, {"op": "effects", "effects": []}]
+
+
+def step_each(seq: list[str]) -> list[dict[str, Any]]:
+    return [{"op": "effects", "effects": [[c, f"s{i}-{c}", False]]} for i, c in enumerate(seq)]
+
+
+def crash(
+    suite: Suite,
+    name: str,
+    sc: Scenario,
+    fakes: dict[str, HTTPProvider],
+    clock: Clock,
+    database: Any,
+    *,
+    mode: str = "raise",
+    points: Any = "distinct",
+    plans: dict[str, list[str]] | None = None,
+    sample: int | None = None,
+    seed: int = 0,
+) -> HarnessReport:
+    for c, p in fakes.items():
+        p.fault_plan = list((plans or {}).get(c, []))
+    try:
+        got = crash_at_every_point(
+            sc,
+            list(fakes.values()),
+            mode=mode,
+            points=points,
+            sample=sample,
+            seed=seed,
+            database=database,
+            clock=clock,
+        )
+    finally:
+        for p in fakes.values():
+            p.fault_plan = []
+    chosen = got.runs - 1
+    suite.add(name, got, chosen=chosen)
+    return got
+
+
+def check_all(reports: list[tuple[str, HarnessReport]]) -> None:
+    bad = [f"{name}: {p}" for name, got in reports for p in got.problems]
+    assert not bad, f"{len(bad)} problem(s):\n" + "\n".join(bad[:30])
+
+
+# -- the registry matches the code -------------------------------------------------------------
+
+
+def test_s2_known_failpoints_are_the_ones_library_code_marks() -> None:
+    """Every name library code passes to ``failpoint`` (literally, or through the ledger's
+    table of outcome points) is in ``KNOWN_FAILPOINTS``, and every known one is used."""
+    root = Path(__file__).resolve().parent.parent
+    used: set[str] = set()
+    for package in ("checkpoint", "ledger", "adapters", "onceonly"):
+        for path in (root / package).glob("*.py"):
+            if path.name == "failpoints.py":  # the registry itself
+                continue
+            text = path.read_text(encoding="utf-8")
+            used |= set(re.findall(r'failpoint\("([a-z_.]+)"\)', text))
+            used |= set(
+                re.findall(
+                    r'"((?:ledger|adapters|checkpoint|runtime|waits)\.[a-z_]+'
+                    r'\.(?:before|after))"',
+                    text,
+                )
+            )
+    assert sorted(used) == sorted(KNOWN_FAILPOINTS)
+    assert list(KNOWN_FAILPOINTS) == sorted(KNOWN_FAILPOINTS)
+
+
+# -- exhaustive: every sequence of length <= 3 ------------------------------------------------
+
+
+def test_s2_every_sequence_up_to_3_on_sqlite(
+    suite: Suite, fakes: dict[str, HTTPProvider], clock: Clock, sqlite: SQLiteDatabases
+) -> None:
+    layouts = [("one-step", one_step)]
+    if depth() == "deep":
+        layouts.append(("step-each", step_each))
+    points = "all" if depth() == "deep" else "distinct"
+    got = []
+    for (layout, build), seq in itertools.product(layouts, SEQUENCES):
+        name = f"{layout}:{''.join(seq)}"
+        got.append(
+            (
+                name,
+                crash(
+                    suite, name, scenario(fakes, build(seq)), fakes, clock, sqlite, points=points
+                ),
+            )
+        )
+    check_all(got)
+    assert all(g.not_reached == 0 for _, g in got), "a deterministic run missed a crash point"
+    # class C crashed between claim and outcome: in doubt, handed to a human, never re-sent
+    assert sum(g.needs_human for _, g in got) > 0
+
+
+def test_s2_every_point_not_only_distinct_ones(
+    suite: Suite, fakes: dict[str, HTTPProvider], clock: Clock, sqlite: SQLiteDatabases
+) -> None:
+    got = []
+    for seq in (["A", "B", "C"], ["C", "B", "A"]):
+        name = f"every-point:{''.join(seq)}"
+        got.append(
+            (
+                name,
+                crash(
+                    suite, name, scenario(fakes, one_step(seq)), fakes, clock, sqlite, points="all"
+                ),
+            )
+        )
+    check_all(got)
+    assert all(g.runs == g.crash_points + 1 for _, g in got)
+
+
+def test_s2_sequences_on_postgresql(
+    suite: Suite, fakes: dict[str, HTTPProvider], clock: Clock, pg_server_url: str
+) -> None:
+    seed = seeds(1, base=2002)[0]
+    suite.report.seeds.append(seed)
+    rng = random.Random(seed)
+    sample = SEQUENCES if depth() == "deep" else rng.sample(SEQUENCES[12:], 3)
+    dbs = PostgresDatabases(pg_server_url)
+    try:
+        got = [
+            (
+                f"pg:{''.join(s)}",
+                crash(suite, f"pg:{''.join(s)}", scenario(fakes, one_step(s)), fakes, clock, dbs),
+            )
+            for s in sample
+        ]
+    finally:
+        dbs.close()
+    check_all(got)
+
+
+def test_s2_sequences_in_child_processes_that_exit(
+    suite: Suite, fakes: dict[str, HTTPProvider], clock: Clock, sqlite: SQLiteDatabases
+) -> None:
+    sample = SEQUENCES if depth() == "deep" else [["A", "B", "C"], ["C", "C", "B"], ["B", "A"]]
+    points = "all" if depth() == "deep" else "distinct"
+    got = [
+        (
+            f"exit:{''.join(s)}",
+            crash(
+                suite,
+                f"exit:{''.join(s)}",
+                scenario(fakes, one_step(s)),
+                fakes,
+                clock,
+                sqlite,
+                mode="exit",
+                points=points,
+            ),
+        )
+        for s in sample
+    ]
+    check_all(got)
+    assert all(g.not_reached == 0 for _, g in got), "a child ended before its crash point"
+
+
+# -- generated scenarios -----------------------------------------------------------------------
+
+
+def generate(
+    rng: random.Random, n_effects: int, faults: tuple[str, ...] = ("error", "refuse")
+) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+    """A plan of ``n_effects`` effects in steps, parallel branches and recorded choices,
+    with waits between them, some definite refusals, and (sometimes) provider faults."""
+    plan: list[dict[str, Any]] = []
+    n = 0
+    waits = 0
+
+    def effect() -> list[Any]:
+        nonlocal n
+        n += 1
+        return [rng.choice(CLASSES), f"g{n}", rng.random() < 0.06]
+
+    left = n_effects
+    while left > 0:
+        r = rng.random()
+        if r < 0.45:
+            k = min(left, rng.randint(1, 4))
+            plan.append({"op": "effects", "effects": [effect() for _ in range(k)]})
+            left -= k
+        elif r < 0.6 and left >= 2:
+            names = [f"b{len(plan)}-{i}" for i in range(rng.randint(2, 3))]
+            branches: dict[str, list[list[Any]]] = {b: [] for b in names}
+            k = min(left, rng.randint(2, 2 * len(names)))
+            for i in range(k):
+                branches[names[i % len(names)]].append(effect())
+            plan.append({"op": "branches", "branches": branches})
+            left -= k
+        elif r < 0.72:
+            plan.append({"op": "choose", "label": f"c{len(plan)}", "options": [effect(), effect()]})
+            left -= 1
+        elif waits < 3:
+            waits += 1
+            kind = rng.choice(("approval", "signal", "sleep"))
+            plan.append({"op": kind, "name": f"w{len(plan)}-{kind}"})
+    plans: dict[str, list[str]] = {}
+    if rng.random() < 0.5:
+        for c in CLASSES:
+            slots: list[str] = []
+            for _ in range(rng.randint(2, 12)):
+                slots += ["ok"] * rng.randint(1, 4) + [rng.choice(faults)]
+            plans[c] = slots
+    return plan, plans
+
+
+def _generated(
+    suite: Suite,
+    fakes: dict[str, HTTPProvider],
+    clock: Clock,
+    sqlite: SQLiteDatabases,
+    *,
+    count: int,
+    per_scenario: int,
+    mode: str,
+    base: int,
+) -> list[tuple[str, HarnessReport]]:
+    got = []
+    chosen = seeds(count, base=base)
+    suite.report.seeds += chosen
+    for seed in chosen:
+        rng = random.Random(seed)
+        # A child process has no refusing client, and cannot hand an effect to a human
+        # (the harness resolves those from the fakes, in the test process): its plans use
+        # server-side faults only, on classes A and B only.
+        faults = ("error",) if mode == "exit" else ("error", "refuse")
+        plan, plans = generate(rng, rng.randint(5, 30), faults)
+        if mode == "exit":
+            plans.pop("C", None)
+        name = f"gen-{mode}:{seed}"
+        # A seeded sample of the scenario's distinct points; the deep tier takes them all.
+        sample = None if depth() == "deep" else per_scenario
+        got.append(
+            (
+                name,
+                crash(
+                    suite,
+                    name,
+                    scenario(fakes, plan),
+                    fakes,
+                    clock,
+                    sqlite,
+                    mode=mode,
+                    plans=plans,
+                    sample=sample,
+                    seed=seed,
+                ),
+            )
+        )
+    return got
+
+
+def test_s2_generated_scenarios_in_process(
+    suite: Suite, fakes: dict[str, HTTPProvider], clock: Clock, sqlite: SQLiteDatabases
+) -> None:
+    got = _generated(
+        suite,
+        fakes,
+        clock,
+        sqlite,
+        count=scaled(40, 800),
+        per_scenario=6,
+        mode="raise",
+        base=20262000,
+    )
+    check_all(got)
+
+
+def test_s2_generated_scenarios_in_child_processes(
+    suite: Suite, fakes: dict[str, HTTPProvider], clock: Clock, sqlite: SQLiteDatabases
+) -> None:
+    got = _generated(
+        suite,
+        fakes,
+        clock,
+        sqlite,
+        count=scaled(15, 300),
+        per_scenario=3,
+        mode="exit",
+        base=20263000,
+    )
+    check_all(got)
+
+
+# -- positive controls: the harness must catch a broken ledger ---------------------------------
+
+
+def _forgets_what_was_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "already applied?" check removed: a committed effect is claimed again."""
+    original = Ledger._claim_txn
+
+    def claim_txn(self: Ledger, cur: Any, *args: Any) -> _Outcome:
+        out = original(self, cur, *args)
+        if out.kind == "replay" and out.row["status"] == EffectStatus.COMMITTED.value:
+            moved = self._reclaim(cur, out.row, "reclaimed", resend=False)
+            assert moved is not None
+            return _Outcome("claim", moved, self._claim_of(moved))
+        return out
+
+    monkeypatch.setattr(Ledger, "_claim_txn", claim_txn)
+    monkeypatch.setattr(Ledger, "prefetch", lambda self, run_id: 0)
+
+
+def _trusts_a_crashed_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim left open by a crash is taken for one that never left (a naive retry)."""
+    original = Ledger._claim_txn
+
+    def claim_txn(self: Ledger, cur: Any, *args: Any) -> _Outcome:
+        out = original(self, cur, *args)
+        if out.kind == "doubt" and out.row["status"] == EffectStatus.UNKNOWN.value:
+            moved = self._reclaim(cur, out.row, "reclaimed", resend=False)
+            assert moved is not None
+            return _Outcome("claim", moved, self._claim_of(moved))
+        return out
+
+    monkeypatch.setattr(Ledger, "_claim_txn", claim_txn)
+
+
+@pytest.mark.parametrize("broken", [_forgets_what_was_applied, _trusts_a_crashed_attempt])
+def test_s2_positive_control(
+    suite: Suite,
+    fakes: dict[str, HTTPProvider],
+    clock: Clock,
+    sqlite: SQLiteDatabases,
+    monkeypatch: pytest.MonkeyPatch,
+    broken: Any,
+) -> None:
+    with monkeypatch.context() as patch:
+        broken(patch)
+        got = crash_at_every_point(
+            scenario(fakes, one_step(["B", "C", "A"])),
+            list(fakes.values()),
+            database=sqlite,
+            clock=clock,
+            points="distinct",
+        )
+    caught = got.duplicates > 0 or got.re_acts > 0
+    suite.report.control(caught)
+    assert caught, f"the harness did not catch {broken.__name__}: {got.problems[:5]}"
+
+
+# -- coverage of the failpoints ----------------------------------------------------------------
+
+
+def test_s2_every_failpoint_was_passed(suite: Suite) -> None:
+    """Runs last (file order): every failpoint library code marks was passed by some run
+    of this suite; one never hit is a blind spot of the harness."""
+    never = [n for n in KNOWN_FAILPOINTS if n not in suite.seen]
+    assert not never, f"failpoints never hit: {never}"
+    assert suite.report.runs > 0
