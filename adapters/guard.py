@@ -255,6 +255,17 @@ def _claim(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim | Replay
         return _reconcile(spec, str(doubt.key_id), doubt)
 
 
+def _claim_settling(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim | Replay:
+    """:func:`_claim`, claiming again at once when reconciliation proved that an in-doubt
+    entry did not happen: nothing was sent in this attempt, so it costs no retry."""
+    for _ in range(2):
+        try:
+            return _claim(spec, ident, call_args)
+        except _Again:
+            continue
+    return _claim(spec, ident, call_args)
+
+
 def _reconcile(spec: _Spec, key_id: str, cause: BaseException) -> Claim:
     """Settle an in-doubt entry by evidence: a re-send claim, or raise :class:`_Settled`
     (happened), :class:`_Again` (did not happen) or ``EffectInDoubt`` (no evidence)."""
@@ -312,7 +323,7 @@ def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], A
                 if attempt > 1:
                     time.sleep(spec.retry.pause_before(attempt))
                 try:
-                    out = resend if resend is not None else _claim(spec, ident, call_args)
+                    out = resend if resend is not None else _claim_settling(spec, ident, call_args)
                 except _Again as again:  # reconciled as not happened: claim anew
                     resend, last = again.claim, again.cause
                     continue
@@ -371,7 +382,7 @@ async def _run_async(
                     out = (
                         resend
                         if resend is not None
-                        else await call(functools.partial(_claim, spec, ident, call_args))
+                        else await call(functools.partial(_claim_settling, spec, ident, call_args))
                     )
                 except _Again as again:
                     resend, last = again.claim, again.cause

@@ -204,3 +204,26 @@ def test_the_guard_keeps_the_signature_for_type_checkers(ledger: Ledger) -> None
     # guard erased the signature, this ignore would be unused and the type check fails.
     with pytest.raises(TypeError):
         typed("1", 2, 3)  # type: ignore[call-arg, arg-type]
+
+
+def test_a_probe_proving_not_happened_sends_within_a_single_attempt(
+    store: Store, ledgers: Ledgers
+) -> None:
+    # A worker claimed and died before sending; its successor (same owner name) finds the
+    # claim in doubt, the probe proves nothing happened: that costs no attempt, so the
+    # default single attempt still sends (it used to raise EffectInDoubt, and a run
+    # parked on an effect that was not in doubt any more).
+    dead = ledgers.on(store, owner="w1")
+    provider = Provider()
+    with step("run-1", "s"):
+        from adapters.context import identity_for
+
+        dead.claim(identity_for("send@1"), {"to": "a@x"}, provider_class="B")
+    successor = ledgers.fresh(owner="w1")
+    send = send_fn(successor, provider, provider_class="B", probe=provider.lookup)
+    with step("run-1", "s"):
+        receipt = send("a@x")
+    assert len(provider.deliveries) == 1
+    assert receipt == provider.applied[provider.deliveries[0]]
+    [rec] = successor.effects()
+    assert (rec.status, rec.epoch) == (EffectStatus.COMMITTED, 2)
