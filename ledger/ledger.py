@@ -957,6 +957,13 @@ class Ledger(QueryMixin):
         )
         found = cur.fetchone()
         if found is not None and found[1] != "retired":
+            # Under READ COMMITTED (PostgreSQL) a concurrent claimer may have committed its
+            # row and first event between our read of the row and this read of the events:
+            # its row is visible now (they commit together), and the insert below then
+            # loses the race as usual. Only a row that is still missing was deleted.
+            cur.execute(f"SELECT 1 FROM oo_effects WHERE key_id IN ({marks})", tuple(ids))
+            if cur.fetchone() is not None:
+                return
             raise CorruptRecord(
                 f"effect {found[0]} has audit events but no row (deleted); it is not acted "
                 f"on. Run `onceonly audit verify` and resolve it by hand",
