@@ -635,8 +635,7 @@ class Store:
         with self._lock:
             self._check_open()
             head = self._head(run_id)
-            if parent is not None and (-1 if head is None else head.seq) != parent:
-                raise ConcurrentWrite(run_id, parent)
+            _check_parent(run_id, head, parent)
             ops = _delta.diff(head.state if head else {}, state, self.codec)
             return self._commit_ops(
                 run_id, head, ops, step, next_step, status, source, schema_version, handoff
@@ -656,6 +655,7 @@ class Store:
         source: Source | str = Source.STEP,
         schema_version: int | None = None,
         handoff: Handoff | None = None,
+        parent: int | None = None,
     ) -> CheckpointInfo:
         """Checkpoint explicit changes: O(changed) work, no comparison with the parent.
 
@@ -671,6 +671,7 @@ class Store:
         with self._lock:
             self._check_open()
             head = self._head(run_id)
+            _check_parent(run_id, head, parent)
             current = head.state if head else {}
             ops: dict[str, _delta.Op] = {}
             for ch, v in (set or {}).items():
@@ -1465,6 +1466,17 @@ def _upgrade(run_id: str, snap: Snapshot, mig: StateMigrations) -> dict[str, Any
 
 def _check_schema(engine: Engine, *, create: bool) -> None:
     ensure_schema(engine, "checkpoint", _schema.CHECKPOINT_MIGRATIONS, create=create)
+
+
+def _check_parent(run_id: str, head: _Head | None, parent: int | None) -> None:
+    """Refuse a checkpoint built on another head than ``parent`` (-1: no checkpoint yet).
+
+    The head is the store's own (cached, or read under its lock), so a checkpoint written
+    through this same Store object since the caller's load is caught here; another
+    process's is caught by the commit's compare-and-set.
+    """
+    if parent is not None and (-1 if head is None else head.seq) != parent:
+        raise ConcurrentWrite(run_id, parent)
 
 
 def ensure_schema(

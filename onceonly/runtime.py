@@ -530,32 +530,29 @@ class Runtime:
         """
         store = self.store
         try:
-            # Another process's checkpoint is caught by the store (ConcurrentWrite); one
-            # written through this same Store object (an Operator sharing it) has already
-            # moved the store's cached head, so compare heads under the store's lock.
-            with store._lock:
-                head = store._head(run.run_id)
-                if head is None or head.seq != parent:
-                    return False
-                if only_meta:
-                    store.update(
-                        run.run_id,
-                        step=step_name,
-                        set={META: meta},
-                        next_step=next_step,
-                        status=status,
-                        handoff=handoff,
-                    )
-                else:
-                    state[META] = meta
-                    store.save(
-                        run.run_id,
-                        state,
-                        step=step_name,
-                        next_step=next_step,
-                        status=status,
-                        handoff=handoff,
-                    )
+            # A checkpoint of another writer since ``parent`` (another process, or an
+            # Operator sharing this Store) is refused by the store as ConcurrentWrite.
+            if only_meta:
+                store.update(
+                    run.run_id,
+                    step=step_name,
+                    set={META: meta},
+                    next_step=next_step,
+                    status=status,
+                    handoff=handoff,
+                    parent=parent,
+                )
+            else:
+                state[META] = meta
+                store.save(
+                    run.run_id,
+                    state,
+                    step=step_name,
+                    next_step=next_step,
+                    status=status,
+                    handoff=handoff,
+                    parent=parent,
+                )
         except ConcurrentWrite:
             # An operator (cancel, edit) or another worker advanced the run first; their
             # checkpoint stands and this step's result is dropped (its effects are in the
