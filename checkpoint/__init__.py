@@ -9,6 +9,7 @@ from ._schema import Migration, apply_migrations, pending_sql
 from .codec import Codec
 from .errors import (
     AsyncWriteError,
+    CheckpointLost,
     CheckpointNotFound,
     CodecError,
     ConcurrentWrite,
@@ -49,6 +50,7 @@ from .waits import Wait, WaitKind, Waits, WaitStatus, notify_ready, subject_hash
 __all__ = [
     "AsyncWriteError",
     "CheckpointInfo",
+    "CheckpointLost",
     "CheckpointNotFound",
     "ChunkedList",
     "Codec",

@@ -10,6 +10,7 @@ Every error onceonly raises derives from :class:`OnceOnlyError`; the upper layer
     │   ├── DatabaseLocked          another writer held the lock past busy_timeout
     │   ├── DatabaseUnavailable     the database cannot be opened or reached
     │   ├── ConcurrentWrite         another writer advanced the run first
+    │   │   └── CheckpointLost      a queued (async / exit) checkpoint lost that race
     │   └── RunExists               a run with this id already exists
     ├── SchemaVersionError          the store's schema is older or newer than this code
     ├── CodecError                  a value cannot be encoded (raised at save time)
@@ -110,6 +111,27 @@ class ConcurrentWrite(StoreError):
             f"run {run_id!r} advanced past checkpoint {expected_seq} in another writer; "
             f"nothing was written. Take the run's lease before writing (Store.acquire_lease), "
             f"reload it with Store.load and apply the step again."
+        )
+
+
+class CheckpointLost(ConcurrentWrite):
+    """Checkpoints of this run that were queued (``async`` or ``exit`` durability) were
+    not written, because another writer advanced the run first. Raised once, by the next
+    save or load of that run; other runs in the same group commit were written.
+
+    Attributes:
+        run_id: The run.
+        expected_seq: The head the first lost checkpoint was built on.
+    """
+
+    def __init__(self, run_id: str, expected_seq: int) -> None:
+        self.run_id = run_id
+        self.expected_seq = expected_seq
+        StoreError.__init__(
+            self,
+            f"queued checkpoints of run {run_id!r} after checkpoint {expected_seq} were not "
+            f"written: another writer advanced the run first (its checkpoint stands). "
+            f"Reload the run with Store.load and apply the step again.",
         )
 
 

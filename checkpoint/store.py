@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import queue
 import threading
@@ -32,6 +33,7 @@ from ._engine import (
 from .codec import Codec
 from .errors import (
     AsyncWriteError,
+    CheckpointLost,
     CheckpointNotFound,
     ConcurrentWrite,
     ConfigurationError,
@@ -68,7 +70,12 @@ _HEAD_CACHE = 1024
 
 @dataclass
 class _Head:
-    """What this process knows of a run's latest checkpoint (a private copy)."""
+    """What this process knows of a run's latest checkpoint (a private copy).
+
+    ``run`` is the run row as of this checkpoint when this process read it together with
+    the checkpoint, or wrote the checkpoint itself (with the status, next step and handoff
+    written atomically with it); None when only the checkpoint was read.
+    """
 
     seq: int
     keyframe_seq: int
@@ -78,6 +85,8 @@ class _Head:
     schema_version: int
     state: dict[str, Any]
     lists: dict[str, _delta.ListChunks] = field(default_factory=dict)
+    info: CheckpointInfo | None = None
+    run: Run | None = None
 
 
 @dataclass
@@ -97,6 +106,7 @@ class _Pending:
     blobs: dict[bytes, bytes]  # hash -> stored form
     refs: set[bytes]
     run_values: dict[str, Any]
+    parent_digest: bytes = b""  # the checkpoint this one was built on (seq - 1)
     gen: int = 0  # async mode: the error generation it was queued in
 
     def info(self) -> CheckpointInfo:
@@ -109,6 +119,7 @@ class _Pending:
             created_at=self.created_at,
             keyframe=self.kind == _KEYFRAME,
             keyframe_seq=self.keyframe_seq,
+            digest=self.digest,
         )
 
 
@@ -189,6 +200,16 @@ class Store:
         self._writer: threading.Thread | None = None
         self._closed = False
         self._heads_stale = False
+        # Runs whose queued checkpoint lost a race to another writer (async / exit mode):
+        # their cached heads are dropped before the next use. Only that run is affected.
+        self._stale_runs: set[str] = set()
+        # Checkpoints this process queued and has not yet written, per run: while a run
+        # has some, this process's own view of the run is ahead of the database.
+        self._unwritten: dict[str, int] = {}
+        # Runs whose queued checkpoints were left out, with the head the first one was
+        # built on: the next save or load of that run raises CheckpointLost once.
+        self._lost: dict[str, int] = {}
+        self._count_lock = threading.Lock()
         self._gen = 0
         self._dead_gen = -1
         self._local = threading.local()
@@ -265,6 +286,16 @@ class Store:
             self._close_pinned()
             self.engine.dispose()
 
+    def _take_lost(self, run_id: str) -> None:
+        """Raise :class:`CheckpointLost` once for a run whose queued checkpoints were
+        left out (another writer won the race)."""
+        if self._lost:
+            with self._count_lock:
+                seq = self._lost.pop(run_id, None)
+            if seq is not None:
+                self._heads.pop(run_id, None)
+                raise CheckpointLost(run_id, seq)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigurationError("the store is closed; open a new one")
@@ -273,6 +304,11 @@ class Store:
             # waiting on a barrier while holding it): forget heads it could not write.
             self._heads_stale = False
             self._heads.clear()
+        if self._stale_runs:
+            with self._count_lock:
+                stale, self._stale_runs = self._stale_runs, set()
+            for run_id in stale:
+                self._heads.pop(run_id, None)
         err = self._async_error
         if err is not None:
             self._async_error = None
@@ -299,13 +335,7 @@ class Store:
                 barrier.done.wait()
         elif self.durability is Durability.EXIT:
             with self._lock:
-                pending, self._pending = self._pending, []
-                if pending:
-                    try:
-                        self._write_batch(pending)
-                    except BaseException:
-                        self._heads.clear()
-                        raise
+                self._flush_locked_pending()
         self._check_open()
 
     # -- pinned connections -------------------------------------------------------------
@@ -401,15 +431,10 @@ class Store:
             # surfaces on the next call, never as this call's error.
         else:
             with self._lock:
-                pending: list[_Pending] = []
                 if self.durability is Durability.EXIT:
-                    pending, self._pending = self._pending, []
-                try:
-                    self._write_batch(pending, [barrier])
-                except BaseException:
-                    if pending:
-                        self._heads.clear()
-                    raise
+                    self._write_exit([barrier])
+                else:
+                    self._write_batch([], [barrier])
         if barrier.error is not None:
             raise barrier.error
         return barrier.result  # type: ignore[no-any-return]
@@ -475,6 +500,118 @@ class Store:
             raise
         return self._run_from_row(values)
 
+    def start_run(
+        self,
+        flow: str,
+        state: Mapping[str, Any],
+        *,
+        run_id: str | None = None,
+        step: str = "start",
+        code_version: str = "0",
+        state_version: int = 1,
+        next_step: str | None = None,
+        handoff: Handoff | None = None,
+        status: RunStatus = RunStatus.RUNNING,
+        source: Source | str = Source.STEP,
+        key_run: str | None = None,
+    ) -> tuple[Run, CheckpointInfo]:
+        """Create a run and its first checkpoint in **one** transaction (durable on return,
+        whatever the durability mode): a run never exists without its state.
+
+        Args:
+            flow, run_id, code_version, state_version, next_step, handoff: As in
+                :meth:`create_run`.
+            state: The first checkpoint's state (validated before anything is written).
+            step: The first checkpoint's step name.
+            status: The run's status once started.
+            source: Who wrote the first checkpoint.
+            key_run: The run whose effect keys this run shares (a fork's origin). It must
+                exist when this commits (checked in the same transaction, so a fork never
+                outlives its origin's removal by retention).
+
+        Raises:
+            RunExists: A run with ``run_id`` exists already; nothing was written.
+            RunNotFound: ``key_run`` does not exist (any more); nothing was written.
+            CodecError: A value cannot be encoded; nothing was written.
+        """
+        with self._lock:
+            self._check_open()
+            rid = run_id or uuid.uuid4().hex
+            now = time.time()
+            base = Run(
+                run_id=rid,
+                flow=flow,
+                code_version=code_version,
+                state_version=state_version,
+                status=RunStatus.WAITING,
+                next_step=next_step,
+                lease_owner=None,
+                lease_expires_at=None,
+                handoff=handoff or Handoff(),
+                head_seq=None,
+                created_at=now,
+                updated_at=now,
+            )
+            ops = _delta.diff({}, state, self.codec)
+            pending, head = self._build(
+                rid, None, ops, step, next_step, status, source, state_version, handoff, base
+            )
+            q = self._sql.q
+            pg = self._dialect == "postgresql"
+
+            def txn(cur: Any) -> None:
+                if key_run is not None and key_run != rid:
+                    # The origin must exist now, and stay while this commits: on
+                    # PostgreSQL a share lock makes a concurrent retention delete of it
+                    # wait (and then find this run's link); SQLite writers are serial.
+                    lock = " FOR SHARE" if pg else ""
+                    cur.execute(f"SELECT 1 FROM oo_runs WHERE run_id = {q}{lock}", (key_run,))
+                    if cur.fetchone() is None:
+                        raise RunNotFound(key_run)
+                try:
+                    cur.execute(
+                        f"INSERT INTO oo_runs ({', '.join(_RUN_COLS)}) VALUES "
+                        f"({', '.join([q] * len(_RUN_COLS))})",
+                        (
+                            rid,
+                            flow,
+                            code_version,
+                            state_version,
+                            RunStatus.WAITING.value,
+                            next_step,
+                            None,
+                            None,
+                            self._encode_handoff(base.handoff),
+                            None,
+                            now,
+                            now,
+                        ),
+                    )
+                except DRIVER_ERRORS as exc:
+                    if is_integrity_error(exc):
+                        raise RunExists(rid) from exc
+                    raise
+                if key_run is not None and key_run != rid:
+                    cur.execute(
+                        f"INSERT INTO oo_run_links (run_id, key_run, created_at) "
+                        f"VALUES ({q}, {q}, {q})",
+                        (rid, key_run, now),
+                    )
+                self._write_pending(cur, pending)
+
+            failpoint("checkpoint.run.write")
+            try:
+                with translate("start a run"), _RawTxn(self, write=True) as cur:
+                    txn(cur)
+                    failpoint("checkpoint.commit.before")
+            except BaseException:
+                self._heads.pop(rid, None)
+                raise
+            failpoint("checkpoint.commit.after")
+            self._remember(rid, head)
+            assert head.run is not None
+            return head.run, pending.info()
+
     def get_run(self, run_id: str) -> Run:
         """The stored run.
 
@@ -521,11 +658,19 @@ class Store:
         next_step: Any = _UNSET,
         handoff: Handoff | None = None,
         code_version: str | None = None,
+        expect_status: RunStatus | str | None = None,
+        expect_head: int | None = None,
     ) -> Run:
         """Change a run's status, next step, handoff note or code version.
 
+        Args:
+            expect_status: Change it only if the run still has this status.
+            expect_head: Change it only if the run's head is still this checkpoint.
+
         Raises:
             RunNotFound: No such run.
+            ConcurrentWrite: An expectation does not hold (another writer changed the
+                run); nothing was changed.
         """
         self._check_open()
         values: dict[str, Any] = {"updated_at": time.time()}
@@ -538,11 +683,21 @@ class Store:
         if code_version is not None:
             values["code_version"] = code_version
         r = _schema.runs
+        stmt = update(r).where(r.c.run_id == run_id)
+        if expect_status is not None:
+            stmt = stmt.where(r.c.status == RunStatus(expect_status).value)
+        if expect_head is not None:
+            stmt = stmt.where(r.c.head_seq == expect_head)
         failpoint("checkpoint.run.write")
         with translate("update a run"), self.engine.begin() as conn:
-            res = conn.execute(update(r).where(r.c.run_id == run_id).values(**values))
+            res = conn.execute(stmt.values(**values))
             if res.rowcount == 0:
-                raise RunNotFound(run_id)
+                found = conn.execute(select(r.c.head_seq).where(r.c.run_id == run_id)).first()
+                if found is None:
+                    raise RunNotFound(run_id)
+                raise ConcurrentWrite(run_id, -1 if expect_head is None else expect_head)
+        with self._lock:
+            self._heads.pop(run_id, None)  # the cached run row is no longer current
         return self.get_run(run_id)
 
     def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Run:
@@ -634,6 +789,7 @@ class Store:
         """
         with self._lock:
             self._check_open()
+            self._take_lost(run_id)
             head = self._head(run_id)
             _check_parent(run_id, head, parent)
             ops = _delta.diff(head.state if head else {}, state, self.codec)
@@ -670,6 +826,7 @@ class Store:
         """
         with self._lock:
             self._check_open()
+            self._take_lost(run_id)
             head = self._head(run_id)
             _check_parent(run_id, head, parent)
             current = head.state if head else {}
@@ -706,6 +863,42 @@ class Store:
         schema_version: int | None,
         handoff: Handoff | None,
     ) -> CheckpointInfo:
+        base = self.get_run(run_id) if head is None else None
+        pending, new_head = self._build(
+            run_id, head, ops, step, next_step, status, source, schema_version, handoff, base
+        )
+        self._remember(run_id, new_head)
+        if self.durability is Durability.SYNC:
+            try:
+                self._write_batch([pending])
+            except BaseException:
+                self._heads.pop(run_id, None)
+                raise
+            return pending.info()
+        with self._count_lock:
+            self._unwritten[run_id] = self._unwritten.get(run_id, 0) + 1
+        if self.durability is Durability.ASYNC:
+            self._queue.put(pending)
+        else:
+            self._pending.append(pending)
+        return pending.info()
+
+    def _build(
+        self,
+        run_id: str,
+        head: _Head | None,
+        ops: dict[str, _delta.Op],
+        step: str,
+        next_step: Any,
+        status: RunStatus | str | None,
+        source: Source | str,
+        schema_version: int | None,
+        handoff: Handoff | None,
+        base: Run | None,
+    ) -> tuple[_Pending, _Head]:
+        """Encode the checkpoint that applies ``ops`` on top of ``head`` (None: the run's
+        first, on top of the run row ``base``); returns it and the advanced head (the
+        cached head object itself, changed in place)."""
         src = Source(source).value
         run_values: dict[str, Any] = {}
         if handoff is not None:
@@ -718,12 +911,14 @@ class Store:
         # fails here with nothing written and the cached head untouched.
         enc = _delta.encode_delta(self.codec, ops)
         if head is None:
-            run = self.get_run(run_id)
-            version = schema_version or run.state_version
-            new_head = _Head(-1, 0, 0, 0, 0, version, {})
+            assert base is not None
+            version = schema_version or base.state_version
+            new_head = _Head(-1, 0, 0, 0, 0, version, {}, run=base)
+            parent_digest = b""
         else:
             version = schema_version or head.schema_version
             new_head = head
+            parent_digest = b"" if head.info is None else head.info.digest
         run_values["state_version"] = version
         seq = new_head.seq + 1
         policy = self.keyframes
@@ -763,10 +958,22 @@ class Store:
             blobs={h: _delta.pack(raw) for h, raw in enc.blobs.items()},
             refs=enc.refs,
             run_values=run_values,
+            parent_digest=parent_digest,
             gen=self._gen,
         )
         new_head.seq = seq
         new_head.schema_version = version
+        new_head.info = pending.info()
+        if new_head.run is not None:
+            new_head.run = dataclasses.replace(
+                new_head.run,
+                status=RunStatus(status) if status is not None else new_head.run.status,
+                next_step=new_head.run.next_step if next_step is _UNSET else next_step,
+                handoff=new_head.run.handoff if handoff is None else handoff,
+                state_version=version,
+                head_seq=seq,
+                updated_at=created,
+            )
         if keyframe:
             new_head.keyframe_seq = seq
             new_head.deltas = 0
@@ -775,61 +982,44 @@ class Store:
         else:
             new_head.deltas += 1
             new_head.delta_bytes += len(enc.raw)
-        self._remember(run_id, new_head)
-        if self.durability is Durability.SYNC:
-            try:
-                self._write_batch([pending])
-            except BaseException:
-                self._heads.pop(run_id, None)
-                raise
-        elif self.durability is Durability.ASYNC:
-            self._queue.put(pending)
-        else:
-            self._pending.append(pending)
-        return pending.info()
+        return pending, new_head
 
     def _write_batch(
         self, batch: Sequence[_Pending], participants: Sequence[_Barrier] = ()
-    ) -> None:
+    ) -> list[_Pending]:
         """Write checkpoints, then run participants' work, in one durable commit.
+
+        A group commit isolates its members: each checkpoint is written in its own
+        savepoint, so one that lost a race to another writer (ConcurrentWrite) is left
+        out and the others, and every participant's work, still commit. Alone in its
+        transaction, a checkpoint's ConcurrentWrite is raised.
 
         The hot path uses the pooled DBAPI connection with fixed SQL: one statement per
         row, no ORM, no per-call statement compilation.
+
+        Returns:
+            The checkpoints that were left out (a lost race).
         """
-        sql = self._sql
+        isolate = len(batch) + len(participants) > 1
+        lost: list[_Pending] = []
+        lost_runs: set[str] = set()
         with translate("write checkpoints"), _RawTxn(self, write=True) as cur:
-            for p in batch:
-                if p.blobs:
-                    cur.executemany(sql.ins_blob, [(h, len(d), d) for h, d in p.blobs.items()])
-                if p.refs:
-                    cur.executemany(sql.ins_ref, [(p.run_id, h) for h in p.refs])
+            for i, p in enumerate(batch):
+                if p.run_id in lost_runs:
+                    # Built on a checkpoint of this batch that was left out: left out too.
+                    lost.append(p)
+                    continue
+                if not isolate:
+                    self._write_pending(cur, p)
+                    continue
+                cur.execute(f"SAVEPOINT oo_c{i}")
                 try:
-                    cur.execute(
-                        sql.ins_ckpt,
-                        (
-                            p.run_id,
-                            p.seq,
-                            p.kind,
-                            p.keyframe_seq,
-                            p.step,
-                            p.source,
-                            p.schema_version,
-                            p.created_at,
-                            p.body,
-                            p.digest,
-                        ),
-                    )
-                except DRIVER_ERRORS as exc:
-                    if is_integrity_error(exc):
-                        raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
-                    raise
-                cols = sorted(p.run_values)
-                params = [p.seq, p.created_at, *(p.run_values[c] for c in cols), p.run_id]
-                if p.seq > 0:
-                    params.append(p.seq - 1)
-                cur.execute(sql.advance(tuple(cols), first=p.seq == 0), params)
-                if cur.rowcount != 1:
-                    raise ConcurrentWrite(p.run_id, p.seq - 1)
+                    self._write_pending(cur, p)
+                except ConcurrentWrite:
+                    cur.execute(f"ROLLBACK TO SAVEPOINT oo_c{i}")
+                    lost.append(p)
+                    lost_runs.add(p.run_id)
+                cur.execute(f"RELEASE SAVEPOINT oo_c{i}")
             solo = not batch and len(participants) == 1
             for i, part in enumerate(participants):
                 if part.fn is None:
@@ -853,6 +1043,62 @@ class Store:
                 cur.execute(f"RELEASE SAVEPOINT oo_p{i}")
             failpoint("checkpoint.commit.before")
         failpoint("checkpoint.commit.after")
+        return lost
+
+    def _write_pending(self, cur: Any, p: _Pending) -> None:
+        """Write one checkpoint and advance its run's head, compare-and-set on the parent:
+        the run's head must still be the exact checkpoint this one was built on (its
+        sequence number *and* its digest), else :class:`ConcurrentWrite`."""
+        sql = self._sql
+        if p.blobs:
+            cur.executemany(sql.ins_blob, [(h, len(d), d) for h, d in p.blobs.items()])
+        if p.refs:
+            cur.executemany(sql.ins_ref, [(p.run_id, h) for h in p.refs])
+        try:
+            cur.execute(
+                sql.ins_ckpt,
+                (
+                    p.run_id,
+                    p.seq,
+                    p.kind,
+                    p.keyframe_seq,
+                    p.step,
+                    p.source,
+                    p.schema_version,
+                    p.created_at,
+                    p.body,
+                    p.digest,
+                ),
+            )
+        except DRIVER_ERRORS as exc:
+            if is_integrity_error(exc):
+                raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
+            raise
+        cols = sorted(p.run_values)
+        params: list[Any] = [p.seq, p.created_at, *(p.run_values[c] for c in cols), p.run_id]
+        checked = p.seq > 0 and bool(p.parent_digest)
+        if p.seq > 0:
+            params.append(p.seq - 1)
+            if checked:
+                params.extend([p.run_id, p.seq - 1, p.parent_digest])
+        cur.execute(sql.advance(tuple(cols), first=p.seq == 0, parent=checked), params)
+        if cur.rowcount != 1:
+            raise ConcurrentWrite(p.run_id, p.seq - 1)
+
+    def _written(self, batch: Sequence[_Pending], lost: Sequence[_Pending]) -> None:
+        """Bookkeeping after queued checkpoints were written (or left out): forget the
+        cached heads of runs whose checkpoint lost a race. Called by whichever thread
+        wrote them; takes only the small counting lock."""
+        with self._count_lock:
+            self._stale_runs.update(p.run_id for p in lost)
+            for p in lost:
+                self._lost[p.run_id] = min(self._lost.get(p.run_id, p.seq - 1), p.seq - 1)
+            for p in batch:
+                n = self._unwritten.get(p.run_id, 0) - 1
+                if n > 0:
+                    self._unwritten[p.run_id] = n
+                else:
+                    self._unwritten.pop(p.run_id, None)
 
     def _write_loop(self) -> None:
         while True:
@@ -882,9 +1128,10 @@ class Store:
             live = [p for p in batch if p.gen > self._dead_gen]
             if len(live) < len(batch):
                 self._heads_stale = True
+            lost: list[_Pending] = []
             if live or work:
                 try:
-                    self._write_batch(live, work)
+                    lost = self._write_batch(live, work)
                 except BaseException as exc:  # noqa: BLE001  (surfaced on the next call)
                     for b in work:
                         b.error = exc
@@ -892,6 +1139,7 @@ class Store:
                         self._dead_gen = max(p.gen for p in live)
                         self._async_error = exc
                         self._heads_stale = True
+            self._written(batch, lost)
             for b in barriers:
                 b.done.set()
             if stop:
@@ -918,8 +1166,22 @@ class Store:
 
     def _flush_locked_pending(self) -> None:
         if self.durability is Durability.EXIT and self._pending:
-            pending, self._pending = self._pending, []
-            self._write_batch(pending)
+            self._write_exit([])
+
+    def _write_exit(self, participants: Sequence[_Barrier]) -> None:
+        """``exit`` mode: write every pending checkpoint (and ``participants``' work) in
+        one transaction, under the lock."""
+        pending, self._pending = self._pending, []
+        try:
+            lost = self._write_batch(pending, participants)
+        except BaseException:
+            if pending:
+                self._heads.clear()
+            self._written(pending, [])
+            raise
+        self._written(pending, lost)
+        for p in lost:
+            self._heads.pop(p.run_id, None)
 
     def _remember(self, run_id: str, head: _Head) -> None:
         self._heads[run_id] = head
@@ -957,6 +1219,8 @@ class Store:
         with self._lock:
             self._check_open()
             self.flush()
+            if seq is None:
+                self._take_lost(run_id)
             snap, head = self._load(run_id, seq, lazy=lazy)
             if seq is None:
                 self._remember(run_id, head)
@@ -976,6 +1240,94 @@ class Store:
             )
             self.flush()
             return Snapshot(_delta.private_copy(upgraded), info)
+
+    def load_run(
+        self,
+        run_id: str,
+        *,
+        lazy: bool = False,
+        migrations: StateMigrations | None = None,
+    ) -> tuple[Run, Snapshot | None]:
+        """The run row and its latest checkpoint as **one consistent snapshot**.
+
+        Status, next step, head and state all come from the same moment: read together in
+        one statement from the database, or, while this process still has checkpoints of
+        the run queued (``async`` / ``exit`` durability), this process's own view as of
+        its last checkpoint (ahead of the database, and what the database will hold once
+        they are written; a queued checkpoint that loses a race to another writer is
+        dropped and the next call reads the database again). A caller that acts on the
+        snapshot fences its effects on ``(head seq, digest)`` of the returned checkpoint.
+
+        Args:
+            run_id: The run.
+            lazy: As in :meth:`load`.
+            migrations: As in :meth:`load`: older state is upgraded and the upgrade is
+                recorded as a checkpoint (source ``migration``) before it is returned.
+
+        Returns:
+            The run and its latest checkpoint (None when it has none yet).
+
+        Raises:
+            RunNotFound: No such run.
+            CorruptRecord: A row or blob failed its check; nothing is returned.
+            StateVersionError: As in :meth:`load`.
+        """
+        with self._lock:
+            self._check_open()
+            self._take_lost(run_id)
+            head = self._heads.get(run_id)
+            with self._count_lock:
+                ahead = self._unwritten.get(run_id, 0) > 0 and run_id not in self._stale_runs
+            if ahead and head is not None and head.run is not None and head.info is not None:
+                run = head.run
+                snap = Snapshot(_delta.private_copy(head.state), head.info)
+            else:
+                run, loaded = self._load_run_rows(run_id, lazy=lazy)
+                if loaded is None:
+                    return run, None
+                snap, head = loaded
+                head.run = run
+                self._remember(run_id, head)
+            mig = migrations or self.migrations
+            if mig is None or snap.info.schema_version == mig.current:
+                return run, snap
+            plain = Snapshot({k: _delta.plain(v) for k, v in snap.state.items()}, snap.info)
+            upgraded = _upgrade(run_id, plain, mig)
+            info = self.save(
+                run_id,
+                upgraded,
+                step=snap.info.step,
+                source=Source.MIGRATION,
+                schema_version=mig.current,
+                parent=snap.info.seq,
+            )
+            self.flush()
+            run = dataclasses.replace(run, head_seq=info.seq, state_version=mig.current)
+            return run, Snapshot(_delta.private_copy(upgraded), info)
+
+    def _load_run_rows(
+        self, run_id: str, *, lazy: bool
+    ) -> tuple[Run, tuple[Snapshot, _Head] | None]:
+        """Read the run row and its head checkpoint's rows in one statement (one
+        snapshot on both databases), then its blobs in the same read transaction (blobs
+        are immutable and referenced, so they cannot change under it)."""
+        with translate("load a run"), _RawTxn(self, write=False) as cur:
+            cur.execute(self._sql.run_and_head, (run_id,))
+            found = cur.fetchall()
+            if not found:
+                raise RunNotFound(run_id)
+            n = len(_RUN_COLS)
+            run = self._run_from_row(dict(zip(_RUN_COLS, found[0][:n], strict=True)))
+            rows = [_Row(*r[n:]) for r in found if r[n] is not None]
+            if run.head_seq is None:
+                return run, None
+            if not rows:
+                raise CorruptRecord(
+                    "the checkpoint, or the keyframe it depends on, is missing",
+                    run_id=run_id,
+                    seq=int(run.head_seq),
+                )
+            return run, self._materialise(cur, run_id, rows, int(run.head_seq), lazy=lazy)
 
     def _load_head_seq(self, run_id: str) -> int | None:
         r = _schema.runs
@@ -1015,11 +1367,22 @@ class Store:
             target = rows[-1].seq
             if seq is not None and target != seq:
                 raise CheckpointNotFound(run_id, seq)
-            bodies, raw_sizes = self._verify_rows(run_id, rows)
-            wanted: set[bytes] = set()
-            for body in bodies:
-                wanted |= _delta.blob_refs_of(body, chunks=not lazy)
-            blob_values, blob_sizes = self._read_blobs(cur, run_id, target, wanted)
+            return self._materialise(cur, run_id, rows, target, lazy=lazy)
+
+    def _materialise(
+        self, cur: Any, run_id: str, rows: Sequence[_Row], target: int, *, lazy: bool
+    ) -> tuple[Snapshot, _Head]:
+        """Verify a keyframe and its deltas up to ``target`` and build the state (blobs
+        are read through ``cur``, in the caller's read transaction)."""
+        if rows[-1].seq != target:
+            raise CorruptRecord(
+                "the run's head checkpoint is missing", run_id=run_id, seq=int(target)
+            )
+        bodies, raw_sizes = self._verify_rows(run_id, rows)
+        wanted: set[bytes] = set()
+        for body in bodies:
+            wanted |= _delta.blob_refs_of(body, chunks=not lazy)
+        blob_values, blob_sizes = self._read_blobs(cur, run_id, target, wanted)
         first = rows[0]
         if first.kind != _KEYFRAME or first.seq != rows[-1].keyframe_seq:
             raise CorruptRecord(
@@ -1055,6 +1418,7 @@ class Store:
             created_at=float(last.created_at),
             keyframe=last.kind == _KEYFRAME,
             keyframe_seq=int(last.keyframe_seq),
+            digest=bytes(last.digest),
         )
         # Canonical (uncompressed) sizes, as the writer counts them: the keyframe policy
         # behaves the same whether or not the process was restarted.
@@ -1068,6 +1432,7 @@ class Store:
             schema_version=info.schema_version,
             state=state,
             lists=lists,
+            info=info,
         )
         return Snapshot(_delta.private_copy(state), info), head
 
@@ -1560,6 +1925,20 @@ class _Row:
     digest: bytes
 
 
+_RUN_COLS = (
+    "run_id",
+    "flow",
+    "code_version",
+    "state_version",
+    "status",
+    "next_step",
+    "lease_owner",
+    "lease_expires_at",
+    "handoff",
+    "head_seq",
+    "created_at",
+    "updated_at",
+)
 _CKPT_COLS = "seq, kind, keyframe_seq, step, source, schema_version, created_at, body, digest"
 
 
@@ -1592,11 +1971,26 @@ class _SQL:
             f"AND seq <= {q} ORDER BY seq"
         )
         self.run_head = f"SELECT head_seq FROM oo_runs WHERE run_id = {q}"
-        self._advance: dict[tuple[tuple[str, ...], bool], str] = {}
+        # The run row and its head checkpoint's keyframe + deltas, in one statement (one
+        # snapshot even under READ COMMITTED); a run without checkpoints gives one row
+        # of NULL checkpoint columns.
+        rcols = ", ".join(f"r.{c}" for c in _RUN_COLS)
+        ccols = ", ".join(f"c.{c.strip()}" for c in _CKPT_COLS.split(","))
+        self.run_and_head = (
+            f"SELECT {rcols}, {ccols} FROM oo_runs r LEFT JOIN oo_checkpoints c "
+            f"ON c.run_id = r.run_id AND c.seq <= r.head_seq AND c.seq >= "
+            f"(SELECT k.keyframe_seq FROM oo_checkpoints k WHERE k.run_id = r.run_id "
+            f"AND k.seq = r.head_seq) WHERE r.run_id = {q} ORDER BY c.seq"
+        )
+        self._advance: dict[tuple[tuple[str, ...], bool, bool], str] = {}
         self._blobs_in: dict[int, str] = {}
 
-    def advance(self, cols: tuple[str, ...], *, first: bool) -> str:
-        key = (cols, first)
+    def advance(self, cols: tuple[str, ...], *, first: bool, parent: bool = False) -> str:
+        """The run-head compare-and-set: ``head_seq`` must be NULL (``first``) or the
+        parent's sequence number, and with ``parent`` the checkpoint there must be the
+        exact parent (its digest), so a checkpoint built on one that lost a race to
+        another writer at the same sequence number never lands on the winner's."""
+        key = (cols, first, parent)
         sql = self._advance.get(key)
         if sql is None:
             q = self.q
@@ -1604,6 +1998,11 @@ class _SQL:
                 [f"head_seq = {q}", f"updated_at = {q}"] + [f"{c} = {q}" for c in cols]
             )
             cond = "head_seq IS NULL" if first else f"head_seq = {q}"
+            if parent:
+                cond += (
+                    f" AND EXISTS (SELECT 1 FROM oo_checkpoints WHERE run_id = {q} "
+                    f"AND seq = {q} AND digest = {q})"
+                )
             sql = f"UPDATE oo_runs SET {sets} WHERE run_id = {q} AND {cond}"
             self._advance[key] = sql
         return sql

@@ -16,9 +16,11 @@ from .errors import (
     LedgerError,
     LedgerUnavailable,
     PayloadErased,
+    RunFenced,
     SubjectErased,
     UnknownEffect,
 )
+from .fence import RunFence, current_fence, run_fence
 from .keys import EffectIdentity, KeyRecipe, Keyring, Secret
 from .ledger import Ledger
 from .records import (
@@ -57,8 +59,12 @@ __all__ = [
     "ProviderClass",
     "Replay",
     "RetentionPolicy",
+    "RunFence",
+    "RunFenced",
     "Secret",
     "SubjectErased",
     "UnknownEffect",
+    "current_fence",
     "migrate",
+    "run_fence",
 ]

@@ -46,6 +46,7 @@ from .errors import (
     SubjectErased,
     UnknownEffect,
 )
+from .fence import RunFence, check_fence, current_fence
 from .keys import EffectIdentity, Keyring, canonical_args
 from .records import (
     Claim,
@@ -249,11 +250,14 @@ class Ledger(QueryMixin):
 
         deadline = self._clock() + self.in_flight.wait_s
         backoff = self.in_flight.initial_backoff_s
+        # Read here, in the caller's context: the transaction may run on the store's
+        # background writer thread (async durability).
+        fence = current_fence()
         while True:
             failpoint("ledger.claim.before")
             out = self._write(
                 lambda cur: self._claim_txn(
-                    cur, identity, candidates, fps, canonical, pclass, window_s, subj, chain
+                    cur, identity, candidates, fps, canonical, pclass, window_s, subj, chain, fence
                 ),
                 outcome=False,
             )
@@ -292,6 +296,7 @@ class Ledger(QueryMixin):
         window_s: float | None,
         subject: str,
         chain: str,
+        fence: RunFence | None,
     ) -> _Outcome:
         q = self._q
         now = self._clock()
@@ -308,6 +313,7 @@ class Ledger(QueryMixin):
         found = cur.fetchall()
         if not found:
             self._check_absent(cur, chain, ids)
+            check_fence(cur, q, fence)
             sid, kid = candidates[0]
             new_cipher = self._cipher_in_txn(cur, subject)
             row: Row = {
@@ -390,13 +396,16 @@ class Ledger(QueryMixin):
             )
             return _Outcome("doubt", moved or row)
         if status == EffectStatus.NOT_HAPPENED.value:
-            moved = self._reclaim(cur, row, "reclaimed", resend=False)
+            moved = self._reclaim(cur, row, "reclaimed", resend=False, fence=fence)
             if moved is None:
                 return _Outcome("inflight", row)
             return _Outcome("claim", moved, self._claim_of(moved))
         return _Outcome("doubt", row)
 
-    def _reclaim(self, cur: Any, row: Row, event: str, *, resend: bool) -> Row | None:
+    def _reclaim(
+        self, cur: Any, row: Row, event: str, *, resend: bool, fence: RunFence | None
+    ) -> Row | None:
+        check_fence(cur, self._q, fence)
         now = self._clock()
         return self._transition(
             cur,
@@ -785,6 +794,7 @@ class Ledger(QueryMixin):
             UnknownEffect: No such entry.
         """
         ev = Evidence(evidence)
+        fence = current_fence()  # a re-send claim acts: fenced like any claim
 
         def txn(cur: Any) -> tuple[Row, bool]:
             row = self._locked_row(cur, key_id)
@@ -830,7 +840,8 @@ class Ledger(QueryMixin):
                 and (row["first_sent_at"] or 0) + float(row["window_s"]) > now
             )
             if window_open:
-                return self._must(self._reclaim(cur, row, "resend", resend=True), key_id), True
+                resend = self._reclaim(cur, row, "resend", resend=True, fence=fence)
+                return self._must(resend, key_id), True
             changes = {**base, "status": EffectStatus.NEEDS_HUMAN.value}
             if ev is not Evidence.WINDOW_OPEN:
                 why = detail or "no evidence either way"
