@@ -870,7 +870,7 @@ class Store:
         self._remember(run_id, new_head)
         if self.durability is Durability.SYNC:
             try:
-                self._write_batch([pending])
+                self._write_batch([pending], isolate=False)
             except BaseException:
                 self._heads.pop(run_id, None)
                 raise
@@ -985,14 +985,19 @@ class Store:
         return pending, new_head
 
     def _write_batch(
-        self, batch: Sequence[_Pending], participants: Sequence[_Barrier] = ()
+        self,
+        batch: Sequence[_Pending],
+        participants: Sequence[_Barrier] = (),
+        *,
+        isolate: bool = True,
     ) -> list[_Pending]:
         """Write checkpoints, then run participants' work, in one durable commit.
 
-        A group commit isolates its members: each checkpoint is written in its own
-        savepoint, so one that lost a race to another writer (ConcurrentWrite) is left
-        out and the others, and every participant's work, still commit. Alone in its
-        transaction, a checkpoint's ConcurrentWrite is raised.
+        A group commit isolates its members: each queued checkpoint is written in its
+        own savepoint, so one that lost a race to another writer (ConcurrentWrite) is
+        left out and the others, and every participant's work, still commit. Only a
+        synchronous save (``isolate=False``: its caller waits for it) gets its
+        ConcurrentWrite raised.
 
         The hot path uses the pooled DBAPI connection with fixed SQL: one statement per
         row, no ORM, no per-call statement compilation.
@@ -1000,7 +1005,6 @@ class Store:
         Returns:
             The checkpoints that were left out (a lost race).
         """
-        isolate = len(batch) + len(participants) > 1
         lost: list[_Pending] = []
         lost_runs: set[str] = set()
         with translate("write checkpoints"), _RawTxn(self, write=True) as cur:

@@ -220,6 +220,9 @@ class Runtime:
         finally:
             # On a database error the lease lapses on its own; the original error matters.
             with contextlib.suppress(StoreError):
+                # The run suspends or exits here: what this process queued (async / exit
+                # durability) is durable before another worker may take the run.
+                self.store.flush()
                 if hold_until is None:
                     self.store.release_lease(run_id, self.owner)
                 else:
