@@ -299,3 +299,120 @@ def test_start_is_idempotent_by_run_id(world: World) -> None:
     rid = rt.start("two", {"x": 1}, run_id="same")
     assert rt.start("two", {"x": 2}, run_id="same") == rid
     assert world.other.store.load(rid).state["x"] == 1
+
+
+# -- 4, 5: every position a branch acts from is part of its identity ----------------------
+
+
+class Crash(BaseException):
+    """The process dies here: nothing after it runs, nothing catches it."""
+
+
+def test_two_parallel_calls_with_a_branch_name_in_common_both_run(world: World) -> None:
+    flow = Flow("twice")
+
+    def branch(label: str) -> Any:
+        def fn(b: Any) -> Any:
+            guard(b.ledger, effect="notify@1")(lambda x: world.provider.send("notify@1", x))(label)
+            return label
+
+        return fn
+
+    @flow.step(start=True)
+    def s(ctx: StepContext) -> Transition:
+        first = ctx.parallel({"x": branch("first-x"), "y": branch("first-y")})
+        second = ctx.parallel({"x": branch("second-x")})
+        return ctx.end({"first": first, "second": second})
+
+    rt = world.runtime(flow)
+    rid = rt.start("twice", {})
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert sorted(p for _, _, p in world.provider.deliveries) == [
+        "first-x",
+        "first-y",
+        "second-x",
+    ]
+    result = world.other.store.load(rid).state["result"]
+    assert result == {"first": {"x": "first-x", "y": "first-y"}, "second": {"x": "second-x"}}
+
+
+def test_a_crash_between_two_parallel_calls_replays_the_first_and_runs_the_second_once(
+    world: World,
+) -> None:
+    crash = {"armed": True}
+
+    def make_flow() -> Flow:
+        flow = Flow("twice")
+
+        def branch(label: str) -> Any:
+            def fn(b: Any) -> Any:
+                guard(b.ledger, effect="notify@1")(lambda x: world.provider.send("notify@1", x))(
+                    label
+                )
+                return label
+
+            return fn
+
+        @flow.step(start=True)
+        def s(ctx: StepContext) -> Transition:
+            ctx.parallel({"x": branch("first-x")})
+            if crash["armed"]:
+                crash["armed"] = False
+                raise Crash
+            out = ctx.parallel({"x": branch("second-x")})
+            return ctx.end(out)
+
+        return flow
+
+    rt = world.runtime(make_flow())
+    rid = rt.start("twice", {})
+    with pytest.raises(Crash):
+        rt.drive(rid)
+    rt.store.flush()
+    again = world.runtime(make_flow(), ledger=world.ledgers.fresh(owner="w1"))
+    assert again.drive(rid).status is RunStatus.COMPLETED
+    assert [p for _, _, p in world.provider.deliveries] == ["first-x", "second-x"]
+
+
+def test_a_deploy_that_renames_a_branch_does_not_send_its_effects_again(world: World) -> None:
+    def make_flow(names: tuple[str, str], crash_after: str | None) -> Flow:
+        flow = Flow("fan", version="1")
+
+        def branch(label: str) -> Any:
+            def fn(b: Any) -> Any:
+                guard(b.ledger, effect="book@1")(lambda x: world.provider.send("book@1", x))(label)
+                if label == crash_after:
+                    raise Crash
+                return label
+
+            return fn
+
+        @flow.step(start=True)
+        def s(ctx: StepContext) -> Transition:
+            out = ctx.parallel({names[0]: branch("room"), names[1]: branch("car")}, max_workers=1)
+            return ctx.end(out)
+
+        return flow
+
+    rt = world.runtime(make_flow(("hotel", "rental"), crash_after="room"))
+    rid = rt.start("fan", {})
+    with pytest.raises(Crash):
+        rt.drive(rid)
+    rt.store.flush()
+    assert sorted(p for _, _, p in world.provider.deliveries) == ["car", "room"]
+    # The deploy renames "hotel" to "lodging": its effect would go out again.
+    renamed = world.runtime(
+        make_flow(("lodging", "rental"), crash_after=None), ledger=world.ledgers.fresh(owner="w1")
+    )
+    run = renamed.drive(rid)
+    assert run.status is RunStatus.FAILED
+    meta = Operator(world.other.store, world.other).show(rid).meta
+    assert meta["error"]["type"] == "BranchesDiverged"
+    assert sorted(p for _, _, p in world.provider.deliveries) == ["car", "room"]
+    # Deploying the code that recorded them back, a retry finishes: both replay.
+    Operator(world.other.store, world.other).retry(rid, actor="ops", reason="rolled back")
+    back = world.runtime(
+        make_flow(("hotel", "rental"), crash_after=None), ledger=world.ledgers.fresh(owner="w1")
+    )
+    assert back.drive(rid).status is RunStatus.COMPLETED
+    assert sorted(p for _, _, p in world.provider.deliveries) == ["car", "room"]
