@@ -33,6 +33,7 @@ from __future__ import annotations
 
 __all__ = [
     "AsyncWriteError",
+    "CheckpointLost",
     "CheckpointNotFound",
     "CodecError",
     "ConcurrentWrite",

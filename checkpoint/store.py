@@ -514,6 +514,7 @@ class Store:
         status: RunStatus = RunStatus.RUNNING,
         source: Source | str = Source.STEP,
         key_run: str | None = None,
+        also: Callable[[Any], Any] | None = None,
     ) -> tuple[Run, CheckpointInfo]:
         """Create a run and its first checkpoint in **one** transaction (durable on return,
         whatever the durability mode): a run never exists without its state.
@@ -528,6 +529,7 @@ class Store:
             key_run: The run whose effect keys this run shares (a fork's origin). It must
                 exist when this commits (checked in the same transaction, so a fork never
                 outlives its origin's removal by retention).
+            also: More work ``also(cursor)`` for the same transaction (a fork's wait).
 
         Raises:
             RunExists: A run with ``run_id`` exists already; nothing was written.
@@ -598,6 +600,8 @@ class Store:
                         (rid, key_run, now),
                     )
                 self._write_pending(cur, pending)
+                if also is not None:
+                    also(cur)
 
             failpoint("checkpoint.run.write")
             try:

@@ -9,6 +9,7 @@ re-fires an effect the ledger holds as committed.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -267,16 +268,7 @@ class Operator:
         meta["forked_from"] = {"run": run_id, "seq": seq, "by": actor, "reason": reason}
         meta["key_run"] = meta.get("key_run") or run_id
         meta["error"] = None
-        new = self.store.create_run(
-            origin.flow,
-            run_id=new_run_id,
-            code_version=origin.code_version,
-            state_version=snap.info.schema_version,
-            next_step=nxt,
-            handoff=origin.handoff,
-            status=RunStatus.WAITING,
-            key_run=str(meta["key_run"]),  # gc keeps the origin while the fork lives
-        ).run_id
+        new = new_run_id or uuid.uuid4().hex
         # Parked on an in-doubt effect: if it is settled now, the step just runs again
         # (the effect replays, or is sent if it did not happen); else park the fork too.
         if (
@@ -286,13 +278,14 @@ class Operator:
         ):
             waiting = None
             meta["waiting"] = None
+        also = None
         if waiting:  # ask again: a decision of the origin does not carry over
             name = str(waiting["name"])
-            old = self.waits.get(run_id, name)
+            old = self.waits.get(run_id, name, waiting.get("instance"))
             due = old.due_at
             if old.kind is WaitKind.APPROVAL and due is not None:
                 due = self.clock() + max(0.0, due - old.created_at)  # the same time to decide
-            self.waits.open(
+            also = self.waits.opening(
                 new,
                 name,
                 old.kind,
@@ -300,11 +293,26 @@ class Operator:
                 subject=old.subject,
                 requested_by=old.requested_by,
                 allow_self=old.allow_self,
+                opened_by=old.opened_by,
             )
+            meta["waiting"] = {**waiting, "instance": 0}  # the new run's first of the name
         state[META] = meta
-        status = RunStatus.WAITING if waiting else RunStatus.RUNNING
-        self.store.save(
-            new, state, step="operator:fork", next_step=nxt, status=status, source=Source.OPERATOR
+        # The run, its first checkpoint, its wait and its link to the key run, in one
+        # transaction that also checks the key run still exists (retention keeps it, and
+        # its effects, from then on): a fork never re-sends an effect its origin made.
+        self.store.start_run(
+            origin.flow,
+            state,
+            run_id=new,
+            step="operator:fork",
+            code_version=origin.code_version,
+            state_version=snap.info.schema_version,
+            next_step=nxt,
+            handoff=origin.handoff,
+            status=RunStatus.WAITING if waiting else RunStatus.RUNNING,
+            source=Source.OPERATOR,
+            key_run=str(meta["key_run"]),
+            also=also,
         )
         if waiting:
             self.waits.wake_if_settled(new, str(waiting["name"]))

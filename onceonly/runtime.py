@@ -364,7 +364,7 @@ class Runtime:
         done = dict(meta)
         done["visits"] = {**visits, name: visit + 1}
         try:
-            return self._transition(run, flow, name, ctx, done, transition, parent)
+            return self._transition(run, flow, step_id, ctx, done, transition, parent)
         except (ConfigurationError, WaitRefused, CodecError) as exc:
             # The step's code asked for something impossible (a missing step, a wait name
             # reused for another kind or subject, an unencodable value): nothing of the
@@ -375,12 +375,13 @@ class Runtime:
         self,
         run: Run,
         flow: Flow,
-        name: str,
+        step_id: str,
         ctx: StepContext,
         meta: dict[str, Any],
         t: Transition,
         parent: int,
     ) -> bool:
+        name = step_id.rpartition("#")[0]
         state = dict(ctx.state)
         if isinstance(t, Next):
             flow.get(t.step)  # a typo fails here, before the checkpoint
@@ -400,7 +401,9 @@ class Runtime:
             for other in (t.on_reject, t.on_expire):
                 if other is not None:
                     flow.get(other)
-            self.waits.open(
+            # The wait belongs to this step visit: a loop's next pass that waits under the
+            # same name gets a new, undecided wait (never this one's decision).
+            wait = self.waits.open(
                 run.run_id,
                 t.name,
                 t.kind,
@@ -408,9 +411,11 @@ class Runtime:
                 subject=t.subject,
                 requested_by=t.requested_by,
                 allow_self=t.allow_self,
+                opened_by=step_id,
             )
             meta["waiting"] = {
                 "name": t.name,
+                "instance": wait.instance,
                 "kind": t.kind,
                 "then": t.then,
                 "on_reject": t.on_reject,
@@ -424,7 +429,7 @@ class Runtime:
                 return False
             # A decision that landed between opening the wait and saving the checkpoint
             # found the run still running: wake it here.
-            return self.waits.wake_if_settled(run.run_id, t.name)
+            return self.waits.wake_if_settled(run.run_id, t.name, wait.instance)
         raise ConfigurationError(
             f"step {name!r} of flow {flow.name!r} returned {t!r}; return ctx.next(...), "
             f"ctx.end(), ctx.fail(...) or a ctx.wait_for_*/sleep(...) transition"
@@ -435,7 +440,8 @@ class Runtime:
     ) -> bool:
         waiting = dict(meta["waiting"])
         name = str(waiting["name"])
-        wait = self.waits.fire_if_due(run.run_id, name)
+        instance = waiting.get("instance")  # None: a checkpoint of an earlier release
+        wait = self.waits.fire_if_due(run.run_id, name, instance)
         if not wait.settled:
             if run.status is RunStatus.RUNNING:  # woken for something else: wait again
                 try:
@@ -449,7 +455,7 @@ class Runtime:
                     )
                 except ConcurrentWrite:
                     return True
-                return self.waits.wake_if_settled(run.run_id, name)
+                return self.waits.wake_if_settled(run.run_id, name, wait.instance)
             return False
         nxt, status = self._after(wait, waiting)
         record: dict[str, Any] = {
