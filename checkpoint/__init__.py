@@ -6,7 +6,7 @@ The bottom layer of onceonly; it imports nothing from ``ledger``, ``adapters`` o
 
 from ._delta import ChunkedList
 from ._schema import Migration, apply_migrations, pending_sql
-from .codec import Codec
+from .codec import Codec, Opaque
 from .errors import (
     AsyncWriteError,
     CheckpointLost,
@@ -67,6 +67,7 @@ __all__ = [
     "Migration",
     "NotFound",
     "OnceOnlyError",
+    "Opaque",
     "RetentionPolicy",
     "RetentionReport",
     "Run",
