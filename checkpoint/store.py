@@ -1646,46 +1646,72 @@ class Store:
             .where(links.c.key_run == r.c.run_id)
             .exists()
         )
-        with translate("select runs for retention"), self._reader() as conn:
-            victims = [
-                row[0]
-                for row in conn.execute(
-                    select(r.c.run_id)
-                    .where(r.c.status.in_(statuses), r.c.updated_at < cutoff, ~shared)
-                    .order_by(r.c.updated_at)
-                )
-            ]
         archived = 0
         deleted = 0
-        for run_id in victims:
-            if policy.archive_path is not None:
-                self._archive(run_id, policy.archive_path)
-                archived += 1
-            with translate("delete a run"), self.engine.begin() as conn:
-                # Re-check inside the write transaction: the run may have been resumed.
-                still = conn.execute(
-                    select(r.c.run_id).where(
-                        r.c.run_id == run_id, r.c.status.in_(statuses), r.c.updated_at < cutoff
+        seen: set[str] = set()
+        # Rounds: a fork's origin becomes removable once the fork itself was removed.
+        while True:
+            with translate("select runs for retention"), self._reader() as conn:
+                victims = [
+                    row[0]
+                    for row in conn.execute(
+                        select(r.c.run_id)
+                        .where(r.c.status.in_(statuses), r.c.updated_at < cutoff, ~shared)
+                        .order_by(r.c.updated_at)
                     )
-                ).first()
-                forked = conn.execute(
-                    select(links.c.run_id).where(
-                        links.c.key_run == run_id,
-                        links.c.run_id.in_(select(r.c.run_id).where(r.c.run_id != run_id)),
-                    )
-                ).first()
-                if still is None or forked is not None:
-                    continue  # resumed or forked meanwhile (it was archived; it stays too)
-                conn.execute(delete(links).where(links.c.run_id == run_id))
-                conn.execute(
-                    delete(_schema.checkpoints).where(_schema.checkpoints.c.run_id == run_id)
+                    if row[0] not in seen
+                ]
+            if not victims:
+                break
+            seen.update(victims)
+            for run_id in victims:
+                archived, deleted = self._retire(
+                    run_id, policy, statuses, cutoff, archived, deleted
                 )
-                conn.execute(delete(_schema.blob_refs).where(_schema.blob_refs.c.owner == run_id))
-                conn.execute(delete(r).where(r.c.run_id == run_id))
-                deleted += 1
-            self._heads.pop(run_id, None)
         collected = self.collect_garbage()
         return RetentionReport(deleted, archived, collected)
+
+    def _retire(
+        self,
+        run_id: str,
+        policy: RetentionPolicy,
+        statuses: list[str],
+        cutoff: float,
+        archived: int,
+        deleted: int,
+    ) -> tuple[int, int]:
+        """Archive and delete one run selected for retention, unless it was resumed or
+        forked meanwhile. Returns the counters, advanced."""
+        r = _schema.runs
+        links = _schema.run_links
+        if policy.archive_path is not None:
+            self._archive(run_id, policy.archive_path)
+            archived += 1
+        with translate("delete a run"), self.engine.begin() as conn:
+            # Re-check inside the write transaction: the run may have been resumed.
+            # On PostgreSQL the row lock makes a fork that is starting on this run
+            # (which share-locks it) either finish first, so its link is seen below,
+            # or find the run gone; SQLite writers are serial anyway.
+            still = conn.execute(
+                select(r.c.run_id)
+                .where(r.c.run_id == run_id, r.c.status.in_(statuses), r.c.updated_at < cutoff)
+                .with_for_update()
+            ).first()
+            forked = conn.execute(
+                select(links.c.run_id).where(
+                    links.c.key_run == run_id,
+                    links.c.run_id.in_(select(r.c.run_id).where(r.c.run_id != run_id)),
+                )
+            ).first()
+            if still is None or forked is not None:
+                return archived, deleted  # resumed or forked meanwhile (it stays)
+            conn.execute(delete(links).where(links.c.run_id == run_id))
+            conn.execute(delete(_schema.checkpoints).where(_schema.checkpoints.c.run_id == run_id))
+            conn.execute(delete(_schema.blob_refs).where(_schema.blob_refs.c.owner == run_id))
+            conn.execute(delete(r).where(r.c.run_id == run_id))
+            deleted += 1
+        self._heads.pop(run_id, None)
+        return archived, deleted
 
     def _archive(self, run_id: str, path: str) -> None:
         run = self.get_run(run_id)

@@ -416,3 +416,83 @@ def test_a_deploy_that_renames_a_branch_does_not_send_its_effects_again(world: W
     )
     assert back.drive(rid).status is RunStatus.COMPLETED
     assert sorted(p for _, _, p in world.provider.deliveries) == ["car", "room"]
+
+
+# -- 7: retention and fork never remove or orphan what a live run can replay ---------------
+
+
+def test_gc_at_zero_age_keeps_what_a_parked_run_will_replay(world: World) -> None:
+    """A run parked on an in-doubt effect is live: gc keeps its branch memos and its
+    effects, and the step's re-run after the resolution sends nothing twice."""
+    doubt = {"armed": True}
+    flow = Flow("parked")
+
+    def branch(b: Any) -> Any:
+        return guard(b.ledger, effect="screen@1")(lambda: world.provider.send("screen@1", None))()
+
+    def flaky() -> Any:
+        world.provider.send("charge@1", None)
+        if doubt["armed"]:
+            doubt["armed"] = False
+            raise TimeoutError("read timeout")  # class C, applied: in doubt
+        return {"ok": True}
+
+    @flow.step(start=True)
+    def s(ctx: StepContext) -> Transition:
+        ctx.parallel({"a": branch})
+        guard(ctx.ledger, effect="charge@1")(flaky)()
+        return ctx.end()
+
+    rt = world.runtime(flow)
+    rid = rt.start("parked", {})
+    assert rt.drive(rid).status is RunStatus.WAITING
+    assert world.provider.effects() == ["screen@1", "charge@1"]
+    report = world.operator.gc(older_than_s=0)
+    assert report.effects_deleted == 0
+    [charge] = [r for r in world.other.effects(run_id=rid) if r.effect == "charge@1"]
+    world.operator.resolve(
+        charge.key_id, happened=True, evidence="provider portal", actor="ops", result={"ok": 1}
+    )
+    world.operator.gc(older_than_s=0)
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert world.provider.effects() == ["screen@1", "charge@1"]
+
+
+def test_a_fork_racing_gc_never_resends_its_origins_effects(world: World) -> None:
+    flow = _two_steps(world)
+    rt = world.runtime(flow)
+    origin = rt.start("two", {})
+    assert rt.drive(origin).status is RunStatus.COMPLETED
+    world.store.flush()
+    # gc removes the finished origin while the fork is being made: the fork's start
+    # must find it gone and start nothing.
+    raced = False
+
+    def gc_now(name: str) -> None:
+        nonlocal raced
+        if name == "checkpoint.run.write" and not raced:
+            raced = True
+            Operator(world.ledgers.fresh().store, world.ledgers.fresh()).gc(older_than_s=0)
+
+    with armed(gc_now), pytest.raises(RunNotFound):
+        world.operator.fork(origin, 1, actor="ops", reason="again", new_run_id="f1")
+    assert raced
+    with pytest.raises(RunNotFound):
+        world.other.store.get_run("f1")
+    assert world.provider.effects() == ["a@1", "b@1"]
+
+
+def test_a_fork_made_before_gc_keeps_its_origin_and_replays(world: World) -> None:
+    flow = _two_steps(world)
+    rt = world.runtime(flow)
+    origin = rt.start("two", {})
+    assert rt.drive(origin).status is RunStatus.COMPLETED
+    world.store.flush()
+    fork = world.operator.fork(origin, 1, actor="ops", reason="again")  # before step b
+    report = world.operator.gc(older_than_s=0)
+    assert (report.runs_deleted, report.effects_deleted) == (0, 0)
+    assert rt.drive(fork).status is RunStatus.COMPLETED
+    assert world.provider.effects() == ["a@1", "b@1"]  # b replayed from the origin's
+    world.operator.gc(older_than_s=0)  # both finished now: both may go, with their effects
+    with pytest.raises(RunNotFound):
+        world.other.store.get_run(origin)
