@@ -41,42 +41,58 @@ schema_versions = Table(
     Column("applied_at", Float, nullable=False),
 )
 
-runs = Table(
-    "oo_runs",
-    metadata,
-    Column("run_id", String(200), primary_key=True),
-    Column("flow", String(200), nullable=False),
-    Column("code_version", String(100), nullable=False),
-    Column("state_version", Integer, nullable=False),
-    Column("status", String(16), nullable=False),
-    Column("next_step", String(200), nullable=True),
-    Column("lease_owner", String(200), nullable=True),
-    Column("lease_expires_at", Float, nullable=True),
-    Column("handoff", LargeBinary, nullable=True),
-    Column("head_seq", Integer, nullable=True),
-    Column("created_at", Float, nullable=False),
-    Column("updated_at", Float, nullable=False),
-)
+
+def _runs_table(meta: MetaData, *, sealed: bool) -> Table:
+    """``oo_runs`` before schema version 4 (``sealed=False``, for migration 1) or now."""
+    return Table(
+        "oo_runs",
+        meta,
+        Column("run_id", String(200), primary_key=True),
+        Column("flow", String(200), nullable=False),
+        Column("code_version", String(100), nullable=False),
+        Column("state_version", Integer, nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("next_step", String(200), nullable=True),
+        Column("lease_owner", String(200), nullable=True),
+        Column("lease_expires_at", Float, nullable=True),
+        Column("handoff", LargeBinary, nullable=True),
+        Column("head_seq", Integer, nullable=True),
+        Column("created_at", Float, nullable=False),
+        Column("updated_at", Float, nullable=False),
+        *([Column("seal", LargeBinary, nullable=True)] if sealed else []),
+    )
+
+
+def _checkpoints_table(meta: MetaData, *, sealed: bool) -> Table:
+    """``oo_checkpoints`` before schema version 4 (``sealed=False``) or now."""
+    return Table(
+        "oo_checkpoints",
+        meta,
+        Column("run_id", String(200), nullable=False),
+        Column("seq", Integer, nullable=False),
+        Column("kind", SmallInteger, nullable=False),  # 0 keyframe, 1 delta
+        Column("keyframe_seq", Integer, nullable=False),
+        Column("step", String(200), nullable=False),
+        Column("source", String(16), nullable=False),
+        Column("schema_version", Integer, nullable=False),
+        Column("created_at", Float, nullable=False),
+        Column("body", LargeBinary, nullable=False),
+        Column("digest", LargeBinary, nullable=False),
+        *([Column("seal", LargeBinary, nullable=True)] if sealed else []),
+        PrimaryKeyConstraint("run_id", "seq"),
+        sqlite_with_rowid=False,
+    )
+
+
+_v1 = MetaData()
+_runs_v1 = _runs_table(_v1, sealed=False)
+_runs_v1_by_status = Index("oo_runs_status", _runs_v1.c.status)
+_checkpoints_v1 = _checkpoints_table(_v1, sealed=False)
+runs = _runs_table(metadata, sealed=True)
 # Status only: updated_at changes on every checkpoint, and indexing it would add a page
 # write to every step's commit.
 runs_by_status = Index("oo_runs_status", runs.c.status)
-
-checkpoints = Table(
-    "oo_checkpoints",
-    metadata,
-    Column("run_id", String(200), nullable=False),
-    Column("seq", Integer, nullable=False),
-    Column("kind", SmallInteger, nullable=False),  # 0 keyframe, 1 delta
-    Column("keyframe_seq", Integer, nullable=False),
-    Column("step", String(200), nullable=False),
-    Column("source", String(16), nullable=False),
-    Column("schema_version", Integer, nullable=False),
-    Column("created_at", Float, nullable=False),
-    Column("body", LargeBinary, nullable=False),
-    Column("digest", LargeBinary, nullable=False),
-    PrimaryKeyConstraint("run_id", "seq"),
-    sqlite_with_rowid=False,
-)
+checkpoints = _checkpoints_table(metadata, sealed=True)
 
 blobs = Table(
     "oo_blobs",
@@ -138,8 +154,9 @@ def _for(dialect: str, migration: Migration) -> list[DDLElement]:
     return out
 
 
-def _waits_table(meta: MetaData, *, v3: bool) -> Table:
-    """``oo_waits`` as of schema version 2 (for migration 2) or 3 (today's).
+def _waits_table(meta: MetaData, *, version: int) -> Table:
+    """``oo_waits`` as of schema version 2 (for migration 2), 3 (for migration 3's
+    rebuild on SQLite) or 4 (today's: sealed rows).
 
     Version 3 makes a wait belong to the step visit that opened it: ``(run_id, name,
     instance)`` is the key, ``opened_by`` the opening step visit (``step#visit``; NULL
@@ -147,10 +164,11 @@ def _waits_table(meta: MetaData, *, v3: bool) -> Table:
     one name on every pass opens a new instance each pass.
     """
     extra: list[Any] = []
-    if v3:
+    if version >= 3:
         extra = [
             Column("instance", Integer, nullable=False, server_default="0"),
             Column("opened_by", String(200), nullable=True),
+            *([Column("seal", LargeBinary, nullable=True)] if version >= 4 else []),
             PrimaryKeyConstraint("run_id", "name", "instance"),
         ]
     else:
@@ -177,9 +195,12 @@ def _waits_table(meta: MetaData, *, v3: bool) -> Table:
 
 
 _v2 = MetaData()
-_waits_v2 = _waits_table(_v2, v3=False)
+_waits_v2 = _waits_table(_v2, version=2)
 _waits_v2_by_due = Index("oo_waits_due", _waits_v2.c.status, _waits_v2.c.due_at)
-waits = _waits_table(metadata, v3=True)
+_v3 = MetaData()
+_waits_v3 = _waits_table(_v3, version=3)
+_waits_v3_by_due = Index("oo_waits_due", _waits_v3.c.status, _waits_v3.c.due_at)
+waits = _waits_table(metadata, version=4)
 # The worker's scan for due timers and expired approvals.
 waits_by_due = Index("oo_waits_due", waits.c.status, waits.c.due_at)
 
@@ -194,13 +215,13 @@ _WAITS_V3_SQLITE: tuple[OnlyOn, ...] = tuple(
     for stmt in (
         _sql("ALTER TABLE oo_waits RENAME TO oo_waits_v2"),
         _sql("DROP INDEX IF EXISTS oo_waits_due"),
-        CreateTable(waits),
+        CreateTable(_waits_v3),
         _sql(
             f"INSERT INTO oo_waits ({_WAIT_V2_COLS}, instance, opened_by) "
             f"SELECT {_WAIT_V2_COLS}, 0, NULL FROM oo_waits_v2"
         ),
         _sql("DROP TABLE oo_waits_v2"),
-        CreateIndex(waits_by_due),
+        CreateIndex(_waits_v3_by_due),
     )
 )
 _WAITS_V3_PG: tuple[OnlyOn, ...] = tuple(
@@ -231,9 +252,9 @@ CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
         1,
         "runs, checkpoints (delta + keyframe), content-addressed blobs and their references",
         (
-            CreateTable(runs),
-            CreateIndex(runs_by_status),
-            CreateTable(checkpoints),
+            CreateTable(_runs_v1),
+            CreateIndex(_runs_v1_by_status),
+            CreateTable(_checkpoints_v1),
             CreateTable(blobs),
             CreateTable(blob_refs),
             CreateIndex(blob_refs_by_hash),
@@ -256,6 +277,16 @@ CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
         "instance), with the opening step visit (a loop that waits under one name opens a "
         "new wait on every pass)",
         (*_WAITS_V3_SQLITE, *_WAITS_V3_PG),
+    ),
+    Migration(
+        4,
+        "keyed seals on the rows the runtime trusts: runs, checkpoints and waits (a seal "
+        "column each; rows of earlier versions are sealed by `onceonly audit seal`)",
+        tuple(
+            OnlyOn(dialect, _sql(f"ALTER TABLE {table} ADD COLUMN seal {blob}"))
+            for dialect, blob in (("sqlite", "BLOB"), ("postgresql", "BYTEA"))
+            for table in ("oo_runs", "oo_checkpoints", "oo_waits")
+        ),
     ),
 )
 CHECKPOINT_SCHEMA_VERSION = CHECKPOINT_MIGRATIONS[-1].version

@@ -46,6 +46,7 @@ from .errors import (
     StoreError,
 )
 from .failpoints import failpoint
+from .integrity import RowKeys, check, seal
 from .records import (
     CheckpointInfo,
     Durability,
@@ -107,6 +108,7 @@ class _Pending:
     refs: set[bytes]
     run_values: dict[str, Any]
     parent_digest: bytes = b""  # the checkpoint this one was built on (seq - 1)
+    reported: int = 0  # losses of its run reported when it was queued
     gen: int = 0  # async mode: the error generation it was queued in
 
     def info(self) -> CheckpointInfo:
@@ -163,6 +165,10 @@ class Store:
         create: Create the schema when the database has none (an older schema is never
             migrated implicitly; use :func:`migrate`).
         busy_timeout_ms: How long a SQLite writer waits for the lock.
+        integrity: The keys that seal runs, checkpoints and waits (see
+            :mod:`checkpoint.integrity`; a :class:`~ledger.Ledger` attaches its keyring's
+            on the store it is given). Without them nothing deliberate is detected:
+            :data:`~checkpoint.integrity.UNKEYED_LIMITS`.
     """
 
     def __init__(
@@ -175,7 +181,9 @@ class Store:
         migrations: StateMigrations | None = None,
         create: bool = True,
         busy_timeout_ms: int = 5000,
+        integrity: RowKeys | None = None,
     ) -> None:
+        self.integrity = integrity
         try:
             self.durability = Durability(durability)
         except ValueError as exc:
@@ -209,6 +217,7 @@ class Store:
         # Runs whose queued checkpoints were left out, with the head the first one was
         # built on: the next save or load of that run raises CheckpointLost once.
         self._lost: dict[str, int] = {}
+        self._reported: dict[str, int] = {}  # per run: how many losses were reported
         self._count_lock = threading.Lock()
         self._gen = 0
         self._dead_gen = -1
@@ -236,6 +245,7 @@ class Store:
         migrations: StateMigrations | None = None,
         create: bool = True,
         busy_timeout_ms: int = 5000,
+        integrity: RowKeys | None = None,
     ) -> Store:
         """Open a store from a database URL (``sqlite:///path`` or
         ``postgresql+psycopg://...``).
@@ -256,6 +266,7 @@ class Store:
                 migrations=migrations,
                 create=create,
                 busy_timeout_ms=busy_timeout_ms,
+                integrity=integrity,
             )
         except BaseException:
             engine.dispose()
@@ -273,6 +284,8 @@ class Store:
 
         Raises:
             AsyncWriteError: A background write failed (the engine is still disposed).
+            CheckpointLost: A queued checkpoint lost its race to another writer and
+                nobody was told yet (the engine is still disposed).
         """
         if self._closed:
             return
@@ -285,6 +298,10 @@ class Store:
                 self._writer.join()
             self._close_pinned()
             self.engine.dispose()
+        with self._count_lock:
+            lost, self._lost = self._lost, {}
+        for run_id, seq in sorted(lost.items()):
+            raise CheckpointLost(run_id, seq)
 
     def _take_lost(self, run_id: str) -> None:
         """Raise :class:`CheckpointLost` once for a run whose queued checkpoints were
@@ -294,6 +311,9 @@ class Store:
                 seq = self._lost.pop(run_id, None)
             if seq is not None:
                 self._heads.pop(run_id, None)
+                with self._count_lock:
+                    # What was queued before this report and fails later is part of it.
+                    self._reported[run_id] = self._reported.get(run_id, 0) + 1
                 raise CheckpointLost(run_id, seq)
 
     def _check_open(self) -> None:
@@ -397,6 +417,20 @@ class Store:
         """``"sqlite"`` or ``"postgresql"``."""
         return self._dialect
 
+    def attach_integrity(self, keys: RowKeys) -> None:
+        """Seal and check rows with ``keys`` from now on (a Ledger does this with its
+        keyring's row keys). Idempotent for the same keys.
+
+        Raises:
+            ConfigurationError: The store already has other keys.
+        """
+        if self.integrity is None:
+            self.integrity = keys
+        elif self.integrity.keys != keys.keys or self.integrity.current_id != keys.current_id:
+            raise ConfigurationError(
+                "this store already seals its rows with other keys; open one store per keyring"
+            )
+
     @property
     def param(self) -> str:
         """The DBAPI parameter marker of this database (``?`` or ``%s``)."""
@@ -484,6 +518,7 @@ class Store:
             "created_at": now,
             "updated_at": now,
         }
+        values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
         try:
             failpoint("checkpoint.run.write")
             with translate("create a run"), self.engine.begin() as conn:
@@ -570,24 +605,26 @@ class Store:
                     cur.execute(f"SELECT 1 FROM oo_runs WHERE run_id = {q}{lock}", (key_run,))
                     if cur.fetchone() is None:
                         raise RunNotFound(key_run)
+                values = {
+                    "run_id": rid,
+                    "flow": flow,
+                    "code_version": code_version,
+                    "state_version": state_version,
+                    "status": RunStatus.WAITING.value,
+                    "next_step": next_step,
+                    "lease_owner": None,
+                    "lease_expires_at": None,
+                    "handoff": self._encode_handoff(base.handoff),
+                    "head_seq": None,
+                    "created_at": now,
+                    "updated_at": now,
+                }
+                values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
                 try:
                     cur.execute(
                         f"INSERT INTO oo_runs ({', '.join(_RUN_COLS)}) VALUES "
                         f"({', '.join([q] * len(_RUN_COLS))})",
-                        (
-                            rid,
-                            flow,
-                            code_version,
-                            state_version,
-                            RunStatus.WAITING.value,
-                            next_step,
-                            None,
-                            None,
-                            self._encode_handoff(base.handoff),
-                            None,
-                            now,
-                            now,
-                        ),
+                        tuple(values[c] for c in _RUN_COLS),
                     )
                 except DRIVER_ERRORS as exc:
                     if is_integrity_error(exc):
@@ -617,21 +654,45 @@ class Store:
             return head.run, pending.info()
 
     def get_run(self, run_id: str) -> Run:
-        """The stored run.
+        """The stored run (its seal checked, with integrity keys).
 
         Raises:
             RunNotFound: No such run.
+            CorruptRecord: The run row fails its seal.
         """
         self._check_open()
-        with translate("read a run"), self._reader() as conn:
-            row = (
-                conn.execute(select(_schema.runs).where(_schema.runs.c.run_id == run_id))
-                .mappings()
-                .first()
-            )
-        if row is None:
+        run = self.read(lambda cur: self.read_run_in(cur, run_id))
+        if run is None:
             raise RunNotFound(run_id)
-        return self._run_from_row(row)
+        return run
+
+    def read_run_in(self, cur: Any, run_id: str, *, lock: bool = False) -> Run | None:
+        """The run row read through ``cur`` (in the caller's transaction), its seal
+        checked; None when there is no such run. ``lock``: ``FOR UPDATE`` on PostgreSQL.
+
+        Raises:
+            CorruptRecord: The run row fails its seal.
+        """
+        sql = self._sql.run_row + (" FOR UPDATE OF r" if lock and self._dialect != "sqlite" else "")
+        cur.execute(sql, (run_id,))
+        found = cur.fetchone()
+        if found is None:
+            return None
+        return self._checked_run(found)
+
+    def _checked_run(self, found: Sequence[Any]) -> Run:
+        n = len(_RUN_COLS)
+        values = dict(zip(_RUN_COLS, found[:n], strict=True))
+        digest = found[n]
+        check(
+            self.integrity,
+            "runs",
+            _run_parts(values, None if digest is None else bytes(digest)),
+            None if values["seal"] is None else bytes(values["seal"]),
+            what=f"run {values['run_id']!r}",
+            run_id=values["run_id"],
+        )
+        return self._run_from_row(values)
 
     def list_runs(
         self,
@@ -640,19 +701,33 @@ class Store:
         flow: str | None = None,
         limit: int | None = None,
     ) -> list[Run]:
-        """Runs, most recently updated first, optionally filtered."""
+        """Runs, most recently updated first, optionally filtered (seals checked).
+
+        Raises:
+            CorruptRecord: A run row fails its seal.
+        """
         self._check_open()
-        r = _schema.runs
-        q = select(r).order_by(r.c.updated_at.desc(), r.c.run_id)
+        q = self._sql.q
+        where: list[str] = []
+        params: list[Any] = []
         if status is not None:
-            q = q.where(r.c.status == RunStatus(status).value)
+            where.append(f"r.status = {q}")
+            params.append(RunStatus(status).value)
         if flow is not None:
-            q = q.where(r.c.flow == flow)
+            where.append(f"r.flow = {q}")
+            params.append(flow)
+        sql = self._sql.runs_rows
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY r.updated_at DESC, r.run_id"
         if limit is not None:
-            q = q.limit(limit)
-        with translate("list runs"), self._reader() as conn:
-            rows = conn.execute(q).mappings().all()
-        return [self._run_from_row(row) for row in rows]
+            sql += f" LIMIT {int(limit)}"
+
+        def scan(cur: Any) -> list[Any]:
+            cur.execute(sql, params)
+            return list(cur.fetchall())
+
+        return [self._checked_run(row) for row in self.read(scan)]
 
     def update_run(
         self,
@@ -677,7 +752,7 @@ class Store:
                 run); nothing was changed.
         """
         self._check_open()
-        values: dict[str, Any] = {"updated_at": time.time()}
+        values: dict[str, Any] = {}
         if status is not None:
             values["status"] = RunStatus(status).value
         if next_step is not _UNSET:
@@ -686,23 +761,53 @@ class Store:
             values["handoff"] = self._encode_handoff(handoff)
         if code_version is not None:
             values["code_version"] = code_version
-        r = _schema.runs
-        stmt = update(r).where(r.c.run_id == run_id)
-        if expect_status is not None:
-            stmt = stmt.where(r.c.status == RunStatus(expect_status).value)
-        if expect_head is not None:
-            stmt = stmt.where(r.c.head_seq == expect_head)
-        failpoint("checkpoint.run.write")
-        with translate("update a run"), self.engine.begin() as conn:
-            res = conn.execute(stmt.values(**values))
-            if res.rowcount == 0:
-                found = conn.execute(select(r.c.head_seq).where(r.c.run_id == run_id)).first()
-                if found is None:
-                    raise RunNotFound(run_id)
+
+        def txn(cur: Any) -> None:
+            run = self.read_run_in(cur, run_id, lock=True)
+            if run is None:
+                raise RunNotFound(run_id)
+            if (expect_status is not None and run.status is not RunStatus(expect_status)) or (
+                expect_head is not None and run.head_seq != expect_head
+            ):
                 raise ConcurrentWrite(run_id, -1 if expect_head is None else expect_head)
+            self._update_run_in(cur, run, values)
+
+        failpoint("checkpoint.run.write")
+        with translate("update a run"), _RawTxn(self, write=True) as cur:
+            txn(cur)
         with self._lock:
             self._heads.pop(run_id, None)  # the cached run row is no longer current
         return self.get_run(run_id)
+
+    def _update_run_in(self, cur: Any, run: Run, changes: Mapping[str, Any]) -> None:
+        """Change sealed columns of a run row read (and checked) in this transaction,
+        sealing the result (the head stays: its digest is read again here)."""
+        q = self._sql.q
+        cur.execute(
+            f"SELECT digest FROM oo_checkpoints WHERE run_id = {q} AND seq = {q}",
+            (run.run_id, -1 if run.head_seq is None else run.head_seq),
+        )
+        found = cur.fetchone()
+        values = {
+            "run_id": run.run_id,
+            "flow": run.flow,
+            "code_version": run.code_version,
+            "state_version": run.state_version,
+            "status": run.status.value,
+            "next_step": run.next_step,
+            "handoff": self._encode_handoff(run.handoff),
+            "head_seq": run.head_seq,
+            **changes,
+        }
+        values["seal"] = seal(
+            self.integrity, "runs", _run_parts(values, None if found is None else bytes(found[0]))
+        )
+        cols = ["status", "next_step", "handoff", "code_version", "seal"]
+        sets = ", ".join([f"{c} = {q}" for c in cols] + [f"updated_at = {q}"])
+        cur.execute(
+            f"UPDATE oo_runs SET {sets} WHERE run_id = {q}",
+            [*(values[c] for c in cols), time.time(), run.run_id],
+        )
 
     def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Run:
         """Take (or renew) the run's lease for ``ttl_s`` seconds.
@@ -963,6 +1068,7 @@ class Store:
             refs=enc.refs,
             run_values=run_values,
             parent_digest=parent_digest,
+            reported=self._reported.get(run_id, 0),
             gen=self._gen,
         )
         new_head.seq = seq
@@ -1023,7 +1129,9 @@ class Store:
                 cur.execute(f"SAVEPOINT oo_c{i}")
                 try:
                     self._write_pending(cur, p)
-                except ConcurrentWrite:
+                except (ConcurrentWrite, CorruptRecord):
+                    # A lost race, or a run row that fails its seal (its next load says
+                    # so): this member alone is left out.
                     cur.execute(f"ROLLBACK TO SAVEPOINT oo_c{i}")
                     lost.append(p)
                     lost_runs.add(p.run_id)
@@ -1058,10 +1166,29 @@ class Store:
         the run's head must still be the exact checkpoint this one was built on (its
         sequence number *and* its digest), else :class:`ConcurrentWrite`."""
         sql = self._sql
+        run_values = p.run_values
+        keys = self.integrity
+        if keys is not None:
+            run_values = self._resealed(cur, p)
         if p.blobs:
             cur.executemany(sql.ins_blob, [(h, len(d), d) for h, d in p.blobs.items()])
         if p.refs:
             cur.executemany(sql.ins_ref, [(p.run_id, h) for h in p.refs])
+        ckpt_seal = seal(
+            keys,
+            "checkpoints",
+            _ckpt_parts(
+                p.run_id,
+                p.seq,
+                p.kind,
+                p.keyframe_seq,
+                p.schema_version,
+                p.step,
+                p.source,
+                p.created_at,
+                p.digest,
+            ),
+        )
         try:
             cur.execute(
                 sql.ins_ckpt,
@@ -1076,14 +1203,15 @@ class Store:
                     p.created_at,
                     p.body,
                     p.digest,
+                    ckpt_seal,
                 ),
             )
         except DRIVER_ERRORS as exc:
             if is_integrity_error(exc):
                 raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
             raise
-        cols = sorted(p.run_values)
-        params: list[Any] = [p.seq, p.created_at, *(p.run_values[c] for c in cols), p.run_id]
+        cols = sorted(run_values)
+        params: list[Any] = [p.seq, p.created_at, *(run_values[c] for c in cols), p.run_id]
         checked = p.seq > 0 and bool(p.parent_digest)
         if p.seq > 0:
             params.append(p.seq - 1)
@@ -1093,6 +1221,29 @@ class Store:
         if cur.rowcount != 1:
             raise ConcurrentWrite(p.run_id, p.seq - 1)
 
+    def _resealed(self, cur: Any, p: _Pending) -> dict[str, Any]:
+        """The run columns a checkpoint writes, with the run's new seal: the run row is
+        read (and its seal checked against the parent) in the writing transaction."""
+        run = self.read_run_in(cur, p.run_id, lock=True)
+        expected_head = None if p.seq == 0 else p.seq - 1
+        if run is None or run.head_seq != expected_head:
+            raise ConcurrentWrite(p.run_id, p.seq - 1)
+        values: dict[str, Any] = {
+            "run_id": run.run_id,
+            "flow": run.flow,
+            "code_version": run.code_version,
+            "state_version": run.state_version,
+            "status": run.status.value,
+            "next_step": run.next_step,
+            "handoff": self._encode_handoff(run.handoff),
+            **p.run_values,
+            "head_seq": p.seq,
+        }
+        out = dict(p.run_values)
+        out["handoff"] = values["handoff"]
+        out["seal"] = seal(self.integrity, "runs", _run_parts(values, p.digest))
+        return out
+
     def _written(self, batch: Sequence[_Pending], lost: Sequence[_Pending]) -> None:
         """Bookkeeping after queued checkpoints were written (or left out): forget the
         cached heads of runs whose checkpoint lost a race. Called by whichever thread
@@ -1100,6 +1251,8 @@ class Store:
         with self._count_lock:
             self._stale_runs.update(p.run_id for p in lost)
             for p in lost:
+                if p.reported < self._reported.get(p.run_id, 0):
+                    continue  # queued before a loss of its run was reported: said already
                 self._lost[p.run_id] = min(self._lost.get(p.run_id, p.seq - 1), p.seq - 1)
             for p in batch:
                 n = self._unwritten.get(p.run_id, 0) - 1
@@ -1325,8 +1478,9 @@ class Store:
             if not found:
                 raise RunNotFound(run_id)
             n = len(_RUN_COLS)
-            run = self._run_from_row(dict(zip(_RUN_COLS, found[0][:n], strict=True)))
             rows = [_Row(*r[n:]) for r in found if r[n] is not None]
+            head_digest = rows[-1].digest if rows else None
+            run = self._checked_run([*found[0][:n], head_digest])
             if run.head_seq is None:
                 return run, None
             if not rows:
@@ -1445,9 +1599,19 @@ class Store:
         return Snapshot(_delta.private_copy(state), info), head
 
     def _verify_rows(self, run_id: str, rows: Sequence[_Row]) -> tuple[list[Any], list[int]]:
-        """Check every row against its digest, then decode all bodies in one pass."""
+        """Check every row against its seal (with integrity keys) and its digest, before
+        anything of it is decoded; then decode all bodies in one pass."""
         raws = []
         for row in rows:
+            check(
+                self.integrity,
+                "checkpoints",
+                row.seal_parts(run_id),
+                None if row.seal is None else bytes(row.seal),
+                what=f"checkpoint {row.seq} of run {run_id!r}",
+                run_id=run_id,
+                seq=row.seq,
+            )
             try:
                 raw = _delta.unpack(row.body)
             except CorruptRecord as exc:
@@ -1957,6 +2121,63 @@ class _Row:
     created_at: float
     body: bytes
     digest: bytes
+    seal: bytes | None = None
+
+    def seal_parts(self, run_id: str) -> list[object]:
+        return _ckpt_parts(
+            run_id,
+            self.seq,
+            self.kind,
+            self.keyframe_seq,
+            self.schema_version,
+            self.step,
+            self.source,
+            self.created_at,
+            self.digest,
+        )
+
+
+def _ckpt_parts(
+    run_id: str,
+    seq: int,
+    kind: int,
+    keyframe_seq: int,
+    schema_version: int,
+    step: str,
+    source: str,
+    created_at: float,
+    digest: bytes,
+) -> list[object]:
+    """What a checkpoint's seal covers: every column but the body, whose digest it holds."""
+    return [
+        run_id,
+        int(seq),
+        int(kind),
+        int(keyframe_seq),
+        int(schema_version),
+        step,
+        source,
+        float(created_at),
+        bytes(digest),
+    ]
+
+
+def _run_parts(values: Mapping[str, Any], head_digest: bytes | None) -> list[object]:
+    """What a run's seal covers: everything a step or an operator acts on, and the head
+    checkpoint's digest (the lease and the timestamps are operational)."""
+    handoff = values["handoff"]
+    head = values["head_seq"]
+    return [
+        values["run_id"],
+        values["flow"],
+        values["code_version"],
+        int(values["state_version"]),
+        values["status"],
+        values["next_step"],
+        None if handoff is None else bytes(handoff),
+        None if head is None else int(head),
+        b"" if head_digest is None else bytes(head_digest),
+    ]
 
 
 _RUN_COLS = (
@@ -1972,8 +2193,9 @@ _RUN_COLS = (
     "head_seq",
     "created_at",
     "updated_at",
+    "seal",
 )
-_CKPT_COLS = "seq, kind, keyframe_seq, step, source, schema_version, created_at, body, digest"
+_CKPT_COLS = "seq, kind, keyframe_seq, step, source, schema_version, created_at, body, digest, seal"
 
 
 class _SQL:
@@ -1991,7 +2213,17 @@ class _SQL:
         )
         self.ins_ckpt = (
             "INSERT INTO oo_checkpoints (run_id, seq, kind, keyframe_seq, step, source, "
-            "schema_version, created_at, body, digest) VALUES (" + ", ".join([q] * 10) + ")"
+            "schema_version, created_at, body, digest, seal) VALUES (" + ", ".join([q] * 11) + ")"
+        )
+        rcols0 = ", ".join(f"r.{c}" for c in _RUN_COLS)
+        # One run row with its head checkpoint's digest (what its seal covers).
+        self.run_row = (
+            f"SELECT {rcols0}, c.digest FROM oo_runs r LEFT JOIN oo_checkpoints c "
+            f"ON c.run_id = r.run_id AND c.seq = r.head_seq WHERE r.run_id = {q}"
+        )
+        self.runs_rows = (
+            f"SELECT {rcols0}, c.digest FROM oo_runs r LEFT JOIN oo_checkpoints c "
+            f"ON c.run_id = r.run_id AND c.seq = r.head_seq"
         )
         head = f"(SELECT head_seq FROM oo_runs WHERE run_id = {q})"
         self.head_rows = (
