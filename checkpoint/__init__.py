@@ -5,6 +5,7 @@ The bottom layer of onceonly; it imports nothing from ``ledger``, ``adapters`` o
 """
 
 from ._delta import ChunkedList
+from ._retry import DatabaseRetry, interrupt_retries, is_transient
 from ._schema import Migration, apply_migrations, pending_sql
 from .codec import Codec, Opaque
 from .errors import (
@@ -59,6 +60,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptRecord",
     "DatabaseLocked",
+    "DatabaseRetry",
     "DatabaseUnavailable",
     "Durability",
     "Handoff",
@@ -95,6 +97,8 @@ __all__ = [
     "disarm",
     "ensure_schema",
     "failpoint",
+    "interrupt_retries",
+    "is_transient",
     "migrate",
     "migrate_component",
     "notify_ready",

@@ -23,13 +23,16 @@ from . import _delta, _schema
 from ._engine import (
     DRIVER_ERRORS,
     READ_ONLY,
+    begin,
     classify,
     configure,
     is_integrity_error,
+    lost_commit,
     make_engine,
     open_checks,
     translate,
 )
+from ._retry import DatabaseRetry, retried
 from .codec import Codec
 from .errors import (
     AsyncWriteError,
@@ -169,6 +172,9 @@ class Store:
             :mod:`checkpoint.integrity`; a :class:`~ledger.Ledger` attaches its keyring's
             on the store it is given). Without them nothing deliberate is detected:
             :data:`~checkpoint.integrity.UNKEYED_LIMITS`.
+        retry: How long a call keeps retrying while the database is briefly unavailable
+            (a lock held past ``busy_timeout_ms``, a lost or refused connection, a
+            deadlock); see :class:`DatabaseRetry`. ``DatabaseRetry(budget_s=0)``: never.
     """
 
     def __init__(
@@ -182,8 +188,10 @@ class Store:
         create: bool = True,
         busy_timeout_ms: int = 5000,
         integrity: RowKeys | None = None,
+        retry: DatabaseRetry | None = None,
     ) -> None:
         self.integrity = integrity
+        self.retry = retry or DatabaseRetry()
         try:
             self.durability = Durability(durability)
         except ValueError as exc:
@@ -246,6 +254,7 @@ class Store:
         create: bool = True,
         busy_timeout_ms: int = 5000,
         integrity: RowKeys | None = None,
+        retry: DatabaseRetry | None = None,
     ) -> Store:
         """Open a store from a database URL (``sqlite:///path`` or
         ``postgresql+psycopg://...``).
@@ -267,6 +276,7 @@ class Store:
                 create=create,
                 busy_timeout_ms=busy_timeout_ms,
                 integrity=integrity,
+                retry=retry,
             )
         except BaseException:
             engine.dispose()
@@ -436,7 +446,7 @@ class Store:
         """The DBAPI parameter marker of this database (``?`` or ``%s``)."""
         return self._sql.q
 
-    def transact(self, fn: Callable[[Any], T]) -> T:
+    def transact(self, fn: Callable[[Any], T], *, idempotent: bool = False) -> T:
         """Run ``fn(cursor)`` in a write transaction behind the write barrier.
 
         Every checkpoint saved before this call is committed in the same transaction as
@@ -446,15 +456,27 @@ class Store:
         statements are rolled back, the checkpoints still commit, and the error is
         re-raised here. Upper layers (the effects ledger) write through this method.
 
+        A transient failure (see :class:`DatabaseRetry`) that wrote nothing runs ``fn``
+        again in a new transaction, so ``fn`` must keep no effects outside its cursor that
+        a second run would repeat.
+
         Args:
             fn: Receives a DBAPI cursor (parameter marker :attr:`param`).
+            idempotent: Running ``fn`` again after its COMMIT may have gone through is
+                harmless: a lost COMMIT is retried too instead of raised.
 
         Returns:
             What ``fn`` returned.
 
         Raises:
-            StoreError: The transaction could not be committed (nothing of it is durable).
+            StoreError: The transaction could not be committed (nothing of it is durable),
+                or, with ``may_have_committed`` set, its COMMIT's answer was lost.
         """
+        return self.retry.call(
+            "run a transaction", lambda: self._transact(fn), idempotent=idempotent
+        )
+
+    def _transact(self, fn: Callable[[Any], T]) -> T:
         self._check_open()
         is_async = self.durability is Durability.ASYNC and self._writer is not None
         barrier = _Barrier(fn, waits=is_async)
@@ -473,13 +495,16 @@ class Store:
             raise barrier.error
         return barrier.result  # type: ignore[no-any-return]
 
+    @retried("read", idempotent=True)
     def read(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(cursor)`` in a read-only transaction (one snapshot on SQLite)."""
+        """Run ``fn(cursor)`` in a read-only transaction (one snapshot on SQLite); run
+        again on a transient failure."""
         self._check_open()
         with translate("read"), _RawTxn(self, write=False) as cur:
             return fn(cur)
 
     # -- runs --------------------------------------------------------------------------
+    @retried("create a run", idempotent=False)
     def create_run(
         self,
         flow: str,
@@ -521,7 +546,7 @@ class Store:
         values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
         try:
             failpoint("checkpoint.run.write")
-            with translate("create a run"), self.engine.begin() as conn:
+            with translate("create a run"), begin(self.engine) as conn:
                 conn.execute(_schema.runs.insert().values(**values))
                 if key_run is not None and key_run != rid:
                     conn.execute(
@@ -653,6 +678,7 @@ class Store:
             assert head.run is not None
             return head.run, pending.info()
 
+    @retried("read a run", idempotent=True)
     def get_run(self, run_id: str) -> Run:
         """The stored run (its seal checked, with integrity keys).
 
@@ -694,6 +720,7 @@ class Store:
         )
         return self._run_from_row(values)
 
+    @retried("list runs", idempotent=True)
     def list_runs(
         self,
         *,
@@ -729,6 +756,7 @@ class Store:
 
         return [self._checked_run(row) for row in self.read(scan)]
 
+    @retried("update a run", idempotent=True)
     def update_run(
         self,
         run_id: str,
@@ -809,6 +837,7 @@ class Store:
             [*(values[c] for c in cols), time.time(), run.run_id],
         )
 
+    @retried("take a lease", idempotent=True)
     def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Run:
         """Take (or renew) the run's lease for ``ttl_s`` seconds.
 
@@ -822,7 +851,7 @@ class Store:
         now = time.time()
         r = _schema.runs
         failpoint("checkpoint.run.write")
-        with translate("take a lease"), self.engine.begin() as conn:
+        with translate("take a lease"), begin(self.engine) as conn:
             res = conn.execute(
                 update(r)
                 .where(r.c.run_id == run_id)
@@ -844,12 +873,13 @@ class Store:
                 raise LeaseHeld(run_id, str(row[0]), float(row[1]))
         return self.get_run(run_id)
 
+    @retried("release a lease", idempotent=True)
     def release_lease(self, run_id: str, owner: str) -> bool:
         """Give up the lease if ``owner`` holds it. Returns whether it was held."""
         self._check_open()
         r = _schema.runs
         failpoint("checkpoint.run.write")
-        with translate("release a lease"), self.engine.begin() as conn:
+        with translate("release a lease"), begin(self.engine) as conn:
             res = conn.execute(
                 update(r)
                 .where(and_(r.c.run_id == run_id, r.c.lease_owner == owner))
@@ -1094,6 +1124,7 @@ class Store:
             new_head.delta_bytes += len(enc.raw)
         return pending, new_head
 
+    @retried("write checkpoints", idempotent=False)
     def _write_batch(
         self,
         batch: Sequence[_Pending],
@@ -1115,6 +1146,8 @@ class Store:
         Returns:
             The checkpoints that were left out (a lost race).
         """
+        for part in participants:
+            part.error = None  # from an earlier attempt of this batch
         lost: list[_Pending] = []
         lost_runs: set[str] = set()
         with translate("write checkpoints"), _RawTxn(self, write=True) as cur:
@@ -1491,6 +1524,7 @@ class Store:
                 )
             return run, self._materialise(cur, run_id, rows, int(run.head_seq), lazy=lazy)
 
+    @retried("read a run", idempotent=True)
     def _load_head_seq(self, run_id: str) -> int | None:
         r = _schema.runs
         with translate("read a run"), self._reader() as conn:
@@ -1502,6 +1536,7 @@ class Store:
     def _reader(self) -> Any:
         return self.engine.connect().execution_options(**{READ_ONLY: True})
 
+    @retried("load a checkpoint", idempotent=True)
     def _load(self, run_id: str, seq: int | None, *, lazy: bool) -> tuple[Snapshot, _Head]:
         sql = self._sql
         with translate("load a checkpoint"), _RawTxn(self, write=False) as cur:
@@ -1656,8 +1691,12 @@ class Store:
                     "lists before closing it, or load with lazy=False"
                 )
             wanted = {bytes.fromhex(h) for h in hexes}
-            with translate("read list chunks"), _RawTxn(self, write=False) as cur:
-                values, _ = self._read_blobs(cur, run_id, None, wanted)
+
+            def read() -> dict[bytes, Any]:
+                with translate("read list chunks"), _RawTxn(self, write=False) as cur:
+                    return self._read_blobs(cur, run_id, None, wanted)[0]
+
+            values = self.retry.call("read list chunks", read, idempotent=True)
             return {h.hex(): v for h, v in values.items()}
 
         return fetch
@@ -1703,6 +1742,7 @@ class Store:
         except CorruptRecord as exc:
             raise type(exc)(exc.detail, run_id=run_id, seq=seq, blob=h.hex()) from exc
 
+    @retried("read history", idempotent=True)
     def history(self, run_id: str, *, limit: int | None = None) -> list[CheckpointInfo]:
         """Metadata of a run's checkpoints, oldest first (the last ``limit`` if given).
 
@@ -1786,6 +1826,9 @@ class Store:
         return checked, problems
 
     # -- retention ---------------------------------------------------------------------
+    # Idempotent: a run deleted already is not selected again (one archived but not yet
+    # deleted when the database failed is archived a second time, in an identical line).
+    @retried("apply retention", idempotent=True)
     def apply_retention(
         self, policy: RetentionPolicy, *, now: float | None = None
     ) -> RetentionReport:
@@ -1920,11 +1963,12 @@ class Store:
 
             os.fsync(fh.fileno())
 
+    @retried("collect unreferenced blobs", idempotent=True)
     def collect_garbage(self) -> int:
         """Delete blobs that no run refers to. Returns how many were deleted."""
         self._check_open()
         b, ref = _schema.blobs, _schema.blob_refs
-        with translate("collect unreferenced blobs"), self.engine.begin() as conn:
+        with translate("collect unreferenced blobs"), begin(self.engine) as conn:
             if self._dialect == "postgresql":
                 # Writers insert blob + reference in one transaction; this lock makes the
                 # sweep wait for them, so a blob is never swept between the two.
@@ -2290,7 +2334,8 @@ class _RawTxn:
     one). SQLite writers take the lock up front (``BEGIN IMMEDIATE``) so a transaction
     never fails half-way on a lock upgrade; readers use a deferred ``BEGIN`` for one
     snapshot. A transaction that fails, including at COMMIT, is rolled back; a connection
-    that cannot even roll back is discarded.
+    that cannot even roll back is discarded. A COMMIT whose answer was lost raises
+    ``DatabaseUnavailable`` with ``may_have_committed`` (:func:`_engine.lost_commit`).
     """
 
     def __init__(self, store: Store, *, write: bool) -> None:
@@ -2317,12 +2362,18 @@ class _RawTxn:
         done = False
         try:
             if exc_type is None:
-                if self._sqlite:
-                    self._cur.execute("COMMIT" if self._write else "ROLLBACK")
-                elif self._write:
-                    conn.commit()
-                else:
-                    conn.rollback()
+                try:
+                    if self._sqlite:
+                        self._cur.execute("COMMIT" if self._write else "ROLLBACK")
+                    elif self._write:
+                        conn.commit()
+                    else:
+                        conn.rollback()
+                except DRIVER_ERRORS as err:
+                    lost = lost_commit(err) if self._write else None
+                    if lost is None:
+                        raise
+                    raise lost from err
                 done = True
         finally:
             healthy = True

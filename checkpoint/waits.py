@@ -481,7 +481,6 @@ class Waits:
         if ttl_s <= 0 or limit < 1:
             raise ConfigurationError("claim_ready needs ttl_s > 0 and limit >= 1")
         q = self.store.param
-        now = self.clock()
         pg = self.store.dialect == "postgresql"
         lock = " FOR UPDATE SKIP LOCKED" if pg else ""
         # A lease is free when nobody holds it, it lapsed, or it is our own: a restarted
@@ -500,6 +499,7 @@ class Waits:
         )
 
         def txn(cur: Any) -> list[str]:
+            now = self.clock()  # in the transaction: a retried round sees the time it runs
             cur.execute(pick, (now, owner, now, owner, now, owner))
             ids = [str(r[0]) for r in cur.fetchall()]
             for rid in ids:
@@ -510,7 +510,9 @@ class Waits:
                 )
             return ids
 
-        return self.store.transact(txn)
+        # Idempotent: run again after a lost COMMIT, it leases the same runs to the same
+        # owner (whose own leases count as free).
+        return self.store.transact(txn, idempotent=True)
 
     # -- internals ---------------------------------------------------------------------
     def _decide(

@@ -153,10 +153,41 @@ class Ledger(QueryMixin):
         if self._poisoned is not None:
             raise LedgerUnavailable(
                 "this ledger stopped after an outcome could not be recorded "
-                f"({self._poisoned}); nothing more is acted on through it. Stop the worker, "
-                "fix the database, and start a new one: it recovers from what is on disk, and "
+                f"({self._poisoned}); nothing more is acted on through it. Once the database "
+                "answers again, Ledger.recover() (a Worker calls it by itself after a "
+                "transient failure) or a new process starts again from what is on disk, and "
                 "the unrecorded effect is reconciled as in doubt."
             ) from self._poisoned
+
+    def recover(self) -> None:
+        """Start again from what is on disk, as a restarted process would.
+
+        Forgets everything this object cached and the claims it handed out, and accepts
+        work again if it had stopped (an outcome that could not be recorded). An effect
+        whose outcome went unrecorded is then found in doubt by its next claim (a claim of
+        this worker's name that this object did not hand out) and reconciled, by the
+        adapter's probe or an operator, exactly as after a restart.
+
+        Call it only while nothing is done through this ledger (no step is running), and
+        only once the cause is gone: a :class:`~onceonly.worker.Worker` calls it by itself
+        after a transient database failure, once the database answers again; after a
+        disk error, fix the disk first.
+
+        Raises:
+            LedgerUnavailable: The database does not answer yet; the ledger stays as it
+                was (the store has retried for its retry budget).
+        """
+        try:
+            self.store.read(lambda cur: cur.execute("SELECT 1"))
+        except StoreError as exc:
+            raise LedgerUnavailable(
+                f"the ledger cannot start again yet: the database does not answer ({exc})"
+            ) from exc
+        self._heads.clear()
+        self._terminal.clear()
+        self._prefetched.clear()
+        self._live.clear()
+        self._poisoned = None
 
     def _write(self, fn: Callable[[Any], T], *, outcome: bool) -> T:
         self._check()
@@ -174,7 +205,7 @@ class Ledger(QueryMixin):
                 raise LedgerUnavailable(
                     f"the ledger could not record this effect's outcome ({exc}); the effect "
                     f"was performed and will be reconciled as in doubt. This ledger now "
-                    f"refuses further work: stop the worker and start a new one."
+                    f"refuses further work until Ledger.recover() or a restart."
                 ) from exc
             raise LedgerUnavailable(
                 f"the ledger could not be written ({exc}); nothing was acted on for this call"

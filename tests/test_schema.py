@@ -19,6 +19,7 @@ import checkpoint._schema as schema_module
 from checkpoint import (
     ConfigurationError,
     DatabaseLocked,
+    DatabaseRetry,
     DatabaseUnavailable,
     RunStatus,
     SchemaVersionError,
@@ -267,8 +268,11 @@ def _lock(path: Path) -> sqlite3.Connection:
 
 
 def test_a_locked_database_raises_database_locked_and_writes_nothing(tmp_path: Path) -> None:
+    """With retries off (the default retries a held lock for 30 s: tests/test_transient.py)."""
     path = tmp_path / "locked.db"
-    with Store.open(f"sqlite:///{path}", busy_timeout_ms=200) as store:
+    with Store.open(
+        f"sqlite:///{path}", busy_timeout_ms=200, retry=DatabaseRetry(budget_s=0)
+    ) as store:
         rid = store.create_run("flow", next_step="one").run_id
         store.save(rid, {"n": 0}, step="zero", next_step="one")
         blocker = _lock(path)
