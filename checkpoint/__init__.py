@@ -32,6 +32,7 @@ from .errors import (
     WeakDurabilityError,
 )
 from .failpoints import arm, armed, disarm, failpoint
+from .integrity import RowKeys
 from .records import (
     CheckpointInfo,
     Durability,
@@ -72,6 +73,7 @@ __all__ = [
     "Opaque",
     "RetentionPolicy",
     "RetentionReport",
+    "RowKeys",
     "Run",
     "RunExists",
     "RunNotFound",

@@ -35,7 +35,9 @@ import blake3
 
 from .errors import ConfigurationError, CorruptRecord
 
-__all__ = ["UNKEYED_LIMITS", "RowKeys"]
+# UNKEYED_LIMITS is public too (``checkpoint.integrity.UNKEYED_LIMITS``), out of
+# ``__all__`` as KNOWN_FAILPOINTS is (the package re-exports every name listed here).
+__all__ = ["RowKeys"]
 
 UNKEYED_LIMITS = (
     "this store has no integrity keys (open it with a keyring: "
@@ -110,7 +112,7 @@ class RowKeys:
         return hmac.compare_digest(self._mac(name, table, parts), bytes(seal))
 
 
-def check(
+def _check_seal(
     keys: RowKeys | None,
     table: str,
     parts: Sequence[object],
@@ -144,6 +146,6 @@ def check(
         )
 
 
-def seal(keys: RowKeys | None, table: str, parts: Sequence[object]) -> bytes | None:
+def _make_seal(keys: RowKeys | None, table: str, parts: Sequence[object]) -> bytes | None:
     """The seal to store (None without keys)."""
     return None if keys is None else keys.seal(table, parts)

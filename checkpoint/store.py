@@ -49,7 +49,9 @@ from .errors import (
     StoreError,
 )
 from .failpoints import failpoint
-from .integrity import RowKeys, check, seal
+from .integrity import RowKeys
+from .integrity import _check_seal as check
+from .integrity import _make_seal as seal
 from .records import (
     CheckpointInfo,
     Durability,
@@ -560,6 +562,7 @@ class Store:
             raise
         return self._run_from_row(values)
 
+    @retried("start a run", idempotent=False)
     def start_run(
         self,
         flow: str,
@@ -1499,6 +1502,7 @@ class Store:
             run = dataclasses.replace(run, head_seq=info.seq, state_version=mig.current)
             return run, Snapshot(_delta.private_copy(upgraded), info)
 
+    @retried("load a run", idempotent=True)
     def _load_run_rows(
         self, run_id: str, *, lazy: bool
     ) -> tuple[Run, tuple[Snapshot, _Head] | None]:
