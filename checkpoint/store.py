@@ -49,7 +49,7 @@ from .errors import (
     StoreError,
 )
 from .failpoints import failpoint
-from .integrity import RowKeys
+from .integrity import UNKEYED_LIMITS, RowKeys
 from .integrity import _check_seal as check
 from .integrity import _make_seal as seal
 from .records import (
@@ -1764,6 +1764,8 @@ class Store:
             c.c.source,
             c.c.schema_version,
             c.c.created_at,
+            c.c.digest,
+            c.c.seal,
         ).where(c.c.run_id == run_id)
         q = q.order_by(c.c.seq.desc()).limit(limit) if limit is not None else q.order_by(c.c.seq)
         with translate("read history"), self._reader() as conn:
@@ -1772,6 +1774,26 @@ class Store:
                 r = _schema.runs
                 if conn.execute(select(r.c.run_id).where(r.c.run_id == run_id)).first() is None:
                     raise RunNotFound(run_id)
+        for row in rows:
+            check(
+                self.integrity,
+                "checkpoints",
+                _ckpt_parts(
+                    run_id,
+                    row.seq,
+                    row.kind,
+                    row.keyframe_seq,
+                    row.schema_version,
+                    row.step,
+                    row.source,
+                    row.created_at,
+                    bytes(row.digest),
+                ),
+                None if row.seal is None else bytes(row.seal),
+                what=f"checkpoint {row.seq} of run {run_id!r}",
+                run_id=run_id,
+                seq=int(row.seq),
+            )
         infos = [
             CheckpointInfo(
                 run_id=run_id,
@@ -1782,6 +1804,7 @@ class Store:
                 created_at=float(row.created_at),
                 keyframe=row.kind == _KEYFRAME,
                 keyframe_seq=int(row.keyframe_seq),
+                digest=bytes(row.digest),
             )
             for row in rows
         ]
@@ -1789,8 +1812,11 @@ class Store:
         return infos
 
     def verify_integrity(self) -> tuple[int, list[str]]:
-        """Check every stored blob against its hash and every checkpoint row against its
-        digest, without loading any state.
+        """Check every stored blob against its hash, every checkpoint row against its
+        digest, and (with integrity keys) every run, checkpoint and wait against its
+        seal, and every run's history for checkpoints missing below its head or left
+        above it (a cut-back history), without loading any state. Without keys,
+        :attr:`integrity_note` says what cannot be detected.
 
         Returns:
             (records checked, one line per problem found).
@@ -1815,8 +1841,10 @@ class Store:
                 "SELECT run_id, seq, kind, keyframe_seq, schema_version, step, source, "
                 "created_at, body, digest FROM oo_checkpoints"
             )
+            seqs: dict[str, list[int]] = {}
             for run_id, seq, kind, kf, ver, step, src, at, body, digest in cur.fetchall():
                 checked += 1
+                seqs.setdefault(run_id, []).append(int(seq))
                 try:
                     raw = _delta.unpack(bytes(body))
                 except CorruptRecord as exc:
@@ -1825,9 +1853,62 @@ class Store:
                 calc = _delta.row_digest(run_id, seq, kind, kf, ver, step, src, at, raw)
                 if calc != bytes(digest):
                     problems.append(f"run {run_id!r} checkpoint {seq}: row fails its digest")
+            cur.execute(
+                "SELECT run_id, seq, kind, keyframe_seq, schema_version, step, source, "
+                "created_at, digest, seal FROM oo_checkpoints"
+            )
+            for run_id, seq, kind, kf, ver, step, src, at, digest, sealed in cur.fetchall():
+                try:
+                    check(
+                        self.integrity,
+                        "checkpoints",
+                        _ckpt_parts(run_id, seq, kind, kf, ver, step, src, at, bytes(digest)),
+                        None if sealed is None else bytes(sealed),
+                        what=f"checkpoint {seq}",
+                    )
+                except CorruptRecord as exc:
+                    problems.append(f"run {run_id!r} checkpoint {seq}: {exc.detail}")
+            cur.execute(self._sql.runs_rows)
+            for found in cur.fetchall():
+                checked += 1
+                values = dict(zip(_RUN_COLS, found[: len(_RUN_COLS)], strict=True))
+                run_id, head = values["run_id"], values["head_seq"]
+                try:
+                    self._checked_run(found)
+                except CorruptRecord as exc:
+                    problems.append(f"run {run_id!r}: {exc.detail}")
+                have = sorted(seqs.get(run_id, []))
+                if head is None:
+                    if have:
+                        problems.append(f"run {run_id!r}: checkpoints {have} but no head")
+                    continue
+                above = [x for x in have if x > int(head)]
+                if above:
+                    problems.append(
+                        f"run {run_id!r}: checkpoints {above} above its head {head} (a cut-back "
+                        f"history, or a head moved back)"
+                    )
+                if int(head) not in have:
+                    problems.append(f"run {run_id!r}: its head checkpoint {head} is missing")
+            from .waits import _READ as WAIT_COLS  # noqa: PLC0415  (waits imports store)
+            from .waits import Waits  # noqa: PLC0415
+
+            waits = Waits(self)
+            cur.execute(f"SELECT {WAIT_COLS} FROM oo_waits")
+            for row in cur.fetchall():
+                checked += 1
+                try:
+                    waits._checked(row)
+                except CorruptRecord as exc:
+                    problems.append(f"run {row[0]!r} wait {row[1]!r}#{row[14]}: {exc.detail}")
 
         self.read(scan)
         return checked, problems
+
+    @property
+    def integrity_note(self) -> str | None:
+        """What this store cannot detect (None when it seals its rows)."""
+        return None if self.integrity is not None else UNKEYED_LIMITS
 
     # -- retention ---------------------------------------------------------------------
     # Idempotent: a run deleted already is not selected again (one archived but not yet

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import blake3
 
-from .errors import ConfigurationError, WaitNotFound, WaitRefused
+from .errors import ConfigurationError, CorruptRecord, WaitNotFound, WaitRefused
 from .failpoints import failpoint
+from .integrity import _check_seal as check_seal
+from .records import RunStatus
 
 if TYPE_CHECKING:
     from .store import Store
@@ -123,6 +125,7 @@ _COLS = (
     "run_id, name, kind, status, due_at, subject_hash, subject, requested_by, allow_self, "
     "payload, decided_by, decided_at, reason, created_at, instance, opened_by"
 )
+_READ = _COLS + ", seal"  # rows are read with their seal and written, then sealed
 _TERMINAL_RUN = ("completed", "failed", "cancelled")
 NOTIFY_CHANNEL = "onceonly_runs"
 """The PostgreSQL ``LISTEN`` channel on which idle workers are woken."""
@@ -147,7 +150,7 @@ class Waits:
         Raises:
             WaitNotFound: No such wait.
         """
-        row = self.store.read(lambda cur: _select(cur, self.store.param, run_id, name, instance))
+        row = self.store.read(lambda cur: self._select(cur, run_id, name, instance))
         if row is None:
             raise WaitNotFound(run_id, name)
         return self._wait(row)
@@ -165,7 +168,7 @@ class Waits:
         if status is not None:
             where.append(f"status = {q}")
             params.append(WaitStatus(status).value)
-        sql = f"SELECT {_COLS} FROM oo_waits"
+        sql = f"SELECT {_READ} FROM oo_waits"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at, run_id, name, instance"
@@ -174,7 +177,7 @@ class Waits:
             cur.execute(sql, params)
             return [tuple(r) for r in cur.fetchall()]
 
-        return [self._wait(r) for r in self.store.read(read)]
+        return [self._wait(self._checked(r)) for r in self.store.read(read)]
 
     # -- the waiting run ---------------------------------------------------------------
     def open(
@@ -277,12 +280,13 @@ class Waits:
                     opened_by,
                 ),
             )
-            found = _select(cur, q, run_id, name, instance)
+            self._reseal(cur, run_id, name, instance)
+            found = self._select(cur, run_id, name, instance)
             assert found is not None
             return found
 
         def txn(cur: Any) -> tuple[Any, ...]:
-            row = _select(cur, q, run_id, name, None)
+            row = self._select(cur, run_id, name, None)
             if row is None:
                 return insert(cur, 0)
             latest_by, latest = row[15], int(row[14])
@@ -295,7 +299,8 @@ class Waits:
                     f"AND instance = {q}",
                     (opened_by, run_id, name, latest),
                 )
-                found = _select(cur, q, run_id, name, latest)
+                self._reseal(cur, run_id, name, latest)
+                found = self._select(cur, run_id, name, latest)
                 assert found is not None
                 return found
             if latest_by is None and row[3] == WaitStatus.OPEN.value:
@@ -306,7 +311,8 @@ class Waits:
                     f"AND instance = {q}",
                     (opened_by, run_id, name, latest),
                 )
-                found = _select(cur, q, run_id, name, latest)
+                self._reseal(cur, run_id, name, latest)
+                found = self._select(cur, run_id, name, latest)
                 assert found is not None
                 return found
             return insert(cur, latest + 1)  # another visit's wait: a new one
@@ -320,11 +326,10 @@ class Waits:
         Returns:
             Whether the wait is settled or due (the run is ready, or was already).
         """
-        q = self.store.param
         now = self.clock()
 
         def txn(cur: Any) -> bool:
-            row = _select(cur, q, run_id, name, instance)
+            row = self._select(cur, run_id, name, instance)
             if row is None:
                 raise WaitNotFound(run_id, name)
             ready = row[3] != WaitStatus.OPEN.value or (row[4] is not None and row[4] <= now)
@@ -341,7 +346,7 @@ class Waits:
         now = self.clock()
 
         def txn(cur: Any) -> int:
-            row = _select(cur, q, run_id, name, instance)
+            row = self._select(cur, run_id, name, instance)
             if row is None:
                 raise WaitNotFound(run_id, name)
             cur.execute(
@@ -352,6 +357,7 @@ class Waits:
                 (now, run_id, name, row[14], now),
             )
             if cur.rowcount:
+                self._reseal(cur, run_id, name, int(row[14]))
                 # Wake the run in the same transaction: a worker that dies after this
                 # commit and before its checkpoint leaves a running (claimable) run, not
                 # a waiting one whose timer is no longer open (that no worker would claim).
@@ -406,9 +412,10 @@ class Waits:
                 f"NULL, NULL, NULL, NULL, 0, {q}, {q}, {q}, NULL, {q}, {q}, NULL)",
                 (run_id, name, encoded, actor, now, now, instance),
             )
+            self._reseal(cur, run_id, name, instance)
 
         def txn(cur: Any) -> tuple[str, tuple[Any, ...]] | None:
-            row = _select(cur, q, run_id, name, None)
+            row = self._select(cur, run_id, name, None)
             if row is None:
                 keep(cur, 0)
                 return None
@@ -421,6 +428,7 @@ class Waits:
                     f"AND status = 'open'",
                     (encoded, actor, now, run_id, name, row[14]),
                 )
+                self._reseal(cur, run_id, name, int(row[14]))
                 self._wake(cur, run_id, now)
                 return None
             if row[15] is None:
@@ -456,11 +464,18 @@ class Waits:
 
         def txn(cur: Any) -> int:
             cur.execute(
-                f"UPDATE oo_waits SET status = 'cancelled', decided_by = {q}, decided_at = {q}, "
-                f"reason = {q} WHERE run_id = {q} AND status = 'open'",
-                (actor, now, reason, run_id),
+                f"SELECT {_READ} FROM oo_waits WHERE run_id = {q} AND status = 'open'", (run_id,)
             )
-            return int(cur.rowcount or 0)
+            rows = [self._checked(r) for r in cur.fetchall()]
+            for row in rows:
+                cur.execute(
+                    f"UPDATE oo_waits SET status = 'cancelled', decided_by = {q}, "
+                    f"decided_at = {q}, reason = {q} WHERE run_id = {q} AND name = {q} "
+                    f"AND instance = {q} AND status = 'open'",
+                    (actor, now, reason, run_id, row[1], row[14]),
+                )
+                self._reseal(cur, run_id, row[1], int(row[14]))
+            return len(rows)
 
         return self.store.transact(txn)
 
@@ -534,6 +549,9 @@ class Waits:
         q = self.store.param
 
         def txn(cur: Any) -> bool:
+            # The row is checked again (its seal) in the deciding transaction.
+            if self._select(cur, run_id, name, wait.instance) is None:
+                return False
             # CAS on the open state of the instance that was checked: two approvers
             # racing, one wins; a new instance opened meanwhile is not decided blind.
             cur.execute(
@@ -544,6 +562,7 @@ class Waits:
             )
             if not cur.rowcount:
                 return False
+            self._reseal(cur, run_id, name, wait.instance)
             self._wake(cur, run_id, now)
             return True
 
@@ -556,13 +575,81 @@ class Waits:
             )
         return self.get(run_id, name, wait.instance)
 
-    def _wake(self, cur: Any, run_id: str, now: float) -> None:
+    def _select(
+        self, cur: Any, run_id: str, name: str, instance: int | None
+    ) -> tuple[Any, ...] | None:
+        """The row of wait ``name`` of ``run_id`` (its latest instance, or ``instance``),
+        its seal checked before anything decides on it."""
+        q = self.store.param
+        if instance is None:
+            cur.execute(
+                f"SELECT {_READ} FROM oo_waits WHERE run_id = {q} AND name = {q} "
+                f"ORDER BY instance DESC LIMIT 1",
+                (run_id, name),
+            )
+        else:
+            cur.execute(
+                f"SELECT {_READ} FROM oo_waits WHERE run_id = {q} AND name = {q} "
+                f"AND instance = {q}",
+                (run_id, name, instance),
+            )
+        row = cur.fetchone()
+        return None if row is None else self._checked(row)
+
+    def _checked(self, row: Sequence[Any]) -> tuple[Any, ...]:
+        """A wait row without its seal, after checking the seal (with integrity keys)
+        and that an approval's subject is the one its hash names."""
+        keys = self.store.integrity
+        values = tuple(row[:16])
+        if keys is not None:
+            check_seal(
+                keys,
+                "waits",
+                _wait_parts(values),
+                None if row[16] is None else bytes(row[16]),
+                what=f"wait {values[1]!r} of run {values[0]!r}",
+                run_id=values[0],
+            )
+            subject = values[6]
+            if subject is not None and blake3.blake3(bytes(subject)).hexdigest() != values[5]:
+                raise CorruptRecord(
+                    f"wait {values[1]!r} of run {values[0]!r}: the subject is not the one its "
+                    f"approval is bound to (edited)",
+                    run_id=values[0],
+                )
+        return values
+
+    def _reseal(self, cur: Any, run_id: str, name: str, instance: int) -> None:
+        """Seal a wait row this transaction just wrote (no keys: nothing to do)."""
+        keys = self.store.integrity
+        if keys is None:
+            return
         q = self.store.param
         cur.execute(
-            f"UPDATE oo_runs SET status = 'running', updated_at = {q} "
-            f"WHERE run_id = {q} AND status = 'waiting'",
-            (now, run_id),
+            f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q} AND instance = {q}",
+            (run_id, name, instance),
         )
+        row = cur.fetchone()
+        if row is None:
+            return
+        cur.execute(
+            f"UPDATE oo_waits SET seal = {q} WHERE run_id = {q} AND name = {q} AND instance = {q}",
+            (keys.seal("waits", _wait_parts(tuple(row))), run_id, name, instance),
+        )
+
+    def _wake(self, cur: Any, run_id: str, now: float) -> None:
+        q = self.store.param
+        if self.store.integrity is None:
+            cur.execute(
+                f"UPDATE oo_runs SET status = 'running', updated_at = {q} "
+                f"WHERE run_id = {q} AND status = 'waiting'",
+                (now, run_id),
+            )
+        else:
+            # The run row is checked and sealed again with its new status.
+            run = self.store.read_run_in(cur, run_id, lock=True)
+            if run is not None and run.status is RunStatus.WAITING:
+                self.store._update_run_in(cur, run, {"status": RunStatus.RUNNING.value})
         if self.store.dialect == "postgresql":
             cur.execute(f"NOTIFY {NOTIFY_CHANNEL}")
 
@@ -590,23 +677,26 @@ class Waits:
         )
 
 
-def _select(
-    cur: Any, q: str, run_id: str, name: str, instance: int | None
-) -> tuple[Any, ...] | None:
-    """The row of wait ``name`` of ``run_id``: its latest instance, or ``instance``."""
-    if instance is None:
-        cur.execute(
-            f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q} "
-            f"ORDER BY instance DESC LIMIT 1",
-            (run_id, name),
-        )
-    else:
-        cur.execute(
-            f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q} AND instance = {q}",
-            (run_id, name, instance),
-        )
-    row = cur.fetchone()
-    return None if row is None else tuple(row)
+def _wait_parts(row: Sequence[Any]) -> list[object]:
+    """What a wait's seal covers: every column, the payload by its hash."""
+    payload = row[9]
+    return [
+        row[0],
+        row[1],
+        int(row[14]),
+        row[2],
+        row[3],
+        None if row[4] is None else float(row[4]),
+        row[5],
+        row[7],
+        int(row[8]),
+        None if payload is None else blake3.blake3(bytes(payload)).digest(),
+        row[10],
+        None if row[11] is None else float(row[11]),
+        row[12],
+        row[15],
+        float(row[13]),
+    ]
 
 
 def _refusal(
