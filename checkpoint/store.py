@@ -702,8 +702,13 @@ class Store:
         Raises:
             CorruptRecord: The run row fails its seal.
         """
-        sql = self._sql.run_row + (" FOR UPDATE OF r" if lock and self._dialect != "sqlite" else "")
-        cur.execute(sql, (run_id,))
+        if lock and self._dialect != "sqlite":
+            # Lock first, then read row and head in a statement of their own: a locking
+            # join re-reads only the locked row after a wait (READ COMMITTED), and would
+            # pair the new head with the old head's digest.
+            q = self._sql.q
+            cur.execute(f"SELECT 1 FROM oo_runs WHERE run_id = {q} FOR UPDATE", (run_id,))
+        cur.execute(self._sql.run_row, (run_id,))
         found = cur.fetchone()
         if found is None:
             return None
@@ -1202,10 +1207,10 @@ class Store:
         the run's head must still be the exact checkpoint this one was built on (its
         sequence number *and* its digest), else :class:`ConcurrentWrite`."""
         sql = self._sql
-        run_values = p.run_values
         keys = self.integrity
-        if keys is not None:
-            run_values = self._resealed(cur, p)
+        # Without keys a run row is left unsealed (never with a seal that no longer
+        # matches it): a keyed reader then says plainly that it carries no seal.
+        run_values = {**p.run_values, "seal": None} if keys is None else self._resealed(cur, p)
         if p.blobs:
             cur.executemany(sql.ins_blob, [(h, len(d), d) for h, d in p.blobs.items()])
         if p.refs:

@@ -147,6 +147,8 @@ class Ledger(QueryMixin):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._live: set[tuple[str, int]] = set()  # claims this object handed out, open
         ensure_schema(store.engine, "ledger", _schema.LEDGER_MIGRATIONS, create=create)
+        # The store seals (and checks) its runs, checkpoints and waits with this keyring.
+        store.attach_integrity(keyring.row_keys())
 
     # -- fail closed --------------------------------------------------------------------
     def _check(self) -> None:

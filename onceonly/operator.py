@@ -86,6 +86,9 @@ class Operator:
     ) -> None:
         self.store = store
         self.ledger = ledger
+        # An operator's writes are sealed like the runtime's (a store of its own gets the
+        # ledger's keys).
+        store.attach_integrity(ledger.keyring.row_keys())
         self.waits = Waits(store, clock=clock)
         self.clock = clock
 
