@@ -714,6 +714,21 @@ class Store:
             return None
         return self._checked_run(found)
 
+    def run_head_in(self, cur: Any, run_id: str) -> tuple[Run, bytes | None] | None:
+        """The run row (seal checked) and its head checkpoint's digest, read through
+        ``cur`` in one statement; None when there is no such run. What a claim's fence
+        reads in the claim's transaction.
+
+        Raises:
+            CorruptRecord: The run row fails its seal.
+        """
+        cur.execute(self._sql.run_row, (run_id,))
+        found = cur.fetchone()
+        if found is None:
+            return None
+        digest = found[len(_RUN_COLS)]
+        return self._checked_run(found), None if digest is None else bytes(digest)
+
     def _checked_run(self, found: Sequence[Any]) -> Run:
         n = len(_RUN_COLS)
         values = dict(zip(_RUN_COLS, found[:n], strict=True))

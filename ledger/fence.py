@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpoint import Store
+
 from .errors import RunFenced
 
 __all__ = ["RunFence", "current_fence", "run_fence"]
@@ -71,34 +73,32 @@ def current_fence() -> RunFence | None:
     return _FENCE.get()
 
 
-def check_fence(cur: Any, param: str, fence: RunFence | None) -> None:
-    """Refuse a claim whose fence no longer holds (inside the claim's transaction).
+def check_fence(cur: Any, store: Store, fence: RunFence | None) -> None:
+    """Refuse a claim whose fence no longer holds (inside the claim's transaction; the
+    run row's seal is checked too, so a status edited by SQL never lets a claim through).
 
     Raises:
         RunFenced: The run is gone, not running, moved on, or leased to another worker.
+        CorruptRecord: The run row fails its seal.
     """
     if fence is None:
         return
-    q = param
-    cur.execute(
-        f"SELECT r.status, r.head_seq, r.lease_owner, c.digest FROM oo_runs r "
-        f"LEFT JOIN oo_checkpoints c ON c.run_id = r.run_id AND c.seq = r.head_seq "
-        f"WHERE r.run_id = {q}",
-        (fence.run_id,),
-    )
-    found = cur.fetchone()
+    found = store.run_head_in(cur, fence.run_id)
     if found is None:
         raise RunFenced(fence.run_id, "gone", None, "the run no longer exists")
-    status, head_seq, lease_owner, digest = found
+    run, digest = found
+    status = run.status.value
     if status != "running":
-        raise RunFenced(fence.run_id, "not_running", str(status), f"the run is {status}")
-    if head_seq != fence.head_seq or digest is None or bytes(digest) != fence.head_digest:
+        raise RunFenced(fence.run_id, "not_running", status, f"the run is {status}")
+    if run.head_seq != fence.head_seq or digest is None or digest != fence.head_digest:
         raise RunFenced(
             fence.run_id,
             "moved",
-            str(status),
+            status,
             f"another writer advanced it past checkpoint {fence.head_seq} (an operator's "
             f"edit or cancel, or another worker)",
         )
-    if fence.owner is not None and lease_owner != fence.owner:
-        raise RunFenced(fence.run_id, "lease", str(status), f"its lease is held by {lease_owner!r}")
+    if fence.owner is not None and run.lease_owner != fence.owner:
+        raise RunFenced(
+            fence.run_id, "lease", status, f"its lease is held by {run.lease_owner!r}"
+        )

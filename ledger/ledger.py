@@ -346,7 +346,7 @@ class Ledger(QueryMixin):
         found = cur.fetchall()
         if not found:
             self._check_absent(cur, chain, ids)
-            check_fence(cur, q, fence)
+            check_fence(cur, self.store, fence)
             sid, kid = candidates[0]
             new_cipher = self._cipher_in_txn(cur, subject)
             row: Row = {
@@ -438,7 +438,7 @@ class Ledger(QueryMixin):
     def _reclaim(
         self, cur: Any, row: Row, event: str, *, resend: bool, fence: RunFence | None
     ) -> Row | None:
-        check_fence(cur, self._q, fence)
+        check_fence(cur, self.store, fence)
         now = self._clock()
         return self._transition(
             cur,

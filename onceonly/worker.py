@@ -43,6 +43,7 @@ from types import FrameType
 from typing import Any
 
 from checkpoint import (
+    CorruptRecord,
     LeaseHeld,
     OnceOnlyError,
     Store,
@@ -197,7 +198,10 @@ class Worker:
             self.stats.runs_skipped += 1
             parked = f"{rt.owner}:skipped"
             log.error("run %s skipped for %.0f s (lease %s): %s", run_id, rt.lease_s, parked, exc)
-            with contextlib.suppress(LeaseHeld):
+            # Our own lease counts as free to us: give it up, then park the run under
+            # the other name (a run that fails its seal still gets its lease row set).
+            with contextlib.suppress(LeaseHeld, CorruptRecord):
+                rt.store.release_lease(run_id, rt.owner)
                 rt.store.acquire_lease(run_id, parked, rt.lease_s)
             return
         self.stats.runs_driven += 1

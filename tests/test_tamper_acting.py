@@ -1,0 +1,235 @@
+"""Tamper-evident where it acts (issue [8]): edits made by SQL behind the library's back,
+on SQLite and PostgreSQL, are refused before anything is sent, and found by `verify`.
+
+Every edit here is one an attacker with database access but without the keyring's
+secret can make: change columns, recompute the *unkeyed* digests, delete rows, move a
+head back. The oracle is the fake provider's delivery log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from adapters import current_claim, guard
+from checkpoint import CorruptRecord, RunStatus, Store, WaitStatus
+from checkpoint import _delta as delta
+from ledger import Ledger
+from onceonly.context import StepContext
+from onceonly.flow import Flow, Transition
+from onceonly.operator import Operator
+from onceonly.runtime import Runtime
+from onceonly.worker import Worker
+from tests.dbutil import execute, fetch
+from tests.ledger_support import Ledgers
+
+
+class Provider:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def pay(self, payload: Any) -> dict[str, Any]:
+        self.sent.append((payload, current_claim().provider_key))
+        return {"n": len(self.sent)}
+
+
+def _payment_flow(provider: Provider) -> Flow:
+    flow = Flow("payment")
+
+    @flow.step(start=True)
+    def ask(ctx: StepContext) -> Transition:
+        return ctx.wait_for_approval(
+            "cfo", {"amount": ctx.state["amount"]}, then="pay", requested_by="alice"
+        )
+
+    @flow.step
+    def pay(ctx: StepContext) -> Transition:
+        ctx.approved("cfo", {"amount": ctx.state["amount"]})
+        guard(ctx.ledger, effect="pay@1")(provider.pay)({"amount": ctx.state["amount"]})
+        return ctx.end("paid")
+
+    return flow
+
+
+class World:
+    def __init__(self, ledgers: Ledgers) -> None:
+        self.ledgers = ledgers
+        self.provider = Provider()
+        self.ledger = ledgers.fresh(owner="w1")
+        self.store = self.ledger.store
+        self.flow = _payment_flow(self.provider)
+        self.operator = Operator(self.store, self.ledger)
+
+    def runtime(self) -> Runtime:
+        """A worker process's runtime: a fresh store and ledger (no caches)."""
+        led = self.ledgers.fresh(owner="w2")
+        return Runtime(led.store, led, [self.flow], owner="w2")
+
+    def waiting_run(self) -> str:
+        rt = self.runtime()
+        rid = rt.start("payment", {"amount": 900}, started_by="alice")
+        assert rt.drive(rid).status is RunStatus.WAITING
+        return rid
+
+
+@pytest.fixture
+def world(ledgers: Ledgers) -> World:
+    return World(ledgers)
+
+
+def _work(world: World) -> None:
+    """A worker takes every ready run; what it cannot trust it skips (and logs)."""
+    rt = world.runtime()
+    Worker(rt, poll_s=0.05).run(until_idle=True)
+
+
+def _verify_finds(world: World, needle: str) -> None:
+    report = world.ledger.verify()
+    assert not report.ok
+    assert any(needle in p for p in report.problems), report.problems
+
+
+# -- 1: a forged approval is refused before the payment ------------------------------------
+
+
+@pytest.mark.parametrize("decided", [None, "rejected"])
+def test_a_forged_approval_is_not_acted_on(world: World, decided: str | None) -> None:
+    rid = world.waiting_run()
+    if decided == "rejected":
+        world.operator.reject(rid, "cfo", actor="bob", reason="no")
+        assert world.runtime().drive(rid).status is RunStatus.FAILED
+    execute(
+        world.store.engine,
+        "UPDATE oo_waits SET status = 'approved', decided_by = 'cfo', decided_at = 1 "
+        "WHERE run_id = :r",
+        r=rid,
+    )
+    execute(world.store.engine, "UPDATE oo_runs SET status = 'running' WHERE run_id = :r", r=rid)
+    _work(world)
+    assert world.provider.sent == []
+    with pytest.raises(CorruptRecord):
+        world.operator.show(rid)
+    _verify_finds(world, "wait 'cfo'")
+
+
+def test_a_subject_swapped_under_its_approval_is_refused(world: World) -> None:
+    rid = world.waiting_run()
+    codec = world.store.codec
+    execute(
+        world.store.engine,
+        "UPDATE oo_waits SET subject = :s WHERE run_id = :r",
+        s=codec.encode({"amount": 1}),
+        r=rid,
+    )
+    with pytest.raises(CorruptRecord):
+        world.operator.approve(rid, "cfo", actor="bob", subject_hash="0" * 64)
+    assert world.provider.sent == []
+
+
+# -- run rows and checkpoints with recomputed unkeyed digests --------------------------------
+
+
+def test_a_finished_run_flipped_back_to_running_is_not_run(world: World) -> None:
+    rid = world.waiting_run()
+    [wait] = [w for w in world.operator.show(rid).waits if w.name == "cfo"]
+    assert wait.subject_hash is not None
+    world.operator.approve(rid, "cfo", actor="bob", subject_hash=wait.subject_hash)
+    assert world.runtime().drive(rid).status is RunStatus.COMPLETED
+    assert len(world.provider.sent) == 1
+    # Roll the run row back to "waiting at pay" and its next step, by SQL.
+    execute(
+        world.store.engine,
+        "UPDATE oo_runs SET status = 'running', next_step = 'pay' WHERE run_id = :r",
+        r=rid,
+    )
+    _work(world)
+    assert len(world.provider.sent) == 1
+    _verify_finds(world, f"run {rid!r}")
+
+
+def test_a_checkpoint_with_a_recomputed_digest_is_refused_before_it_is_decoded(
+    world: World,
+) -> None:
+    rt = world.runtime()
+    rid = rt.start("payment", {"amount": 900}, started_by="alice")
+    [(seq, kind, kf, ver, step, src, at, body)] = fetch(
+        world.store.engine,
+        "SELECT seq, kind, keyframe_seq, schema_version, step, source, created_at, body "
+        "FROM oo_checkpoints WHERE run_id = :r",
+        r=rid,
+    )
+    raw = delta.unpack(bytes(body))
+    forged = raw.replace(b"900", b"1")
+    assert forged != raw
+    digest = delta.row_digest(rid, seq, kind, kf, ver, step, src, at, forged)
+    execute(
+        world.store.engine,
+        "UPDATE oo_checkpoints SET body = :b, digest = :d WHERE run_id = :r",
+        b=delta.pack(forged),
+        d=digest,
+        r=rid,
+    )
+    with pytest.raises(CorruptRecord):
+        world.runtime().drive(rid)
+    _work(world)
+    assert world.provider.sent == []
+    _verify_finds(world, "seal")
+
+
+def test_a_cut_back_history_is_refused(world: World) -> None:
+    flow = Flow("steps")
+
+    @flow.step(start=True)
+    def one(ctx: StepContext) -> Transition:
+        ctx.state["n"] = ctx.state.get("n", 0) + 1
+        return ctx.next("two") if ctx.state["n"] < 4 else ctx.end()
+
+    @flow.step
+    def two(ctx: StepContext) -> Transition:
+        return ctx.next("one")
+
+    led = world.ledgers.fresh(owner="w3")
+    rt = Runtime(led.store, led, [flow], owner="w3")
+    rid = rt.start("steps", {})
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    [(head,)] = fetch(world.store.engine, "SELECT head_seq FROM oo_runs WHERE run_id = :r", r=rid)
+    execute(
+        world.store.engine,
+        "DELETE FROM oo_checkpoints WHERE run_id = :r AND seq > :h",
+        r=rid,
+        h=head - 2,
+    )
+    execute(
+        world.store.engine,
+        "UPDATE oo_runs SET head_seq = :h, status = 'running' WHERE run_id = :r",
+        r=rid,
+        h=head - 2,
+    )
+    fresh = world.ledgers.fresh(owner="w4").store
+    with pytest.raises(CorruptRecord):
+        fresh.load_run(rid)
+    with pytest.raises(CorruptRecord):
+        fresh.get_run(rid)
+    _verify_finds(world, f"run {rid!r}")
+
+
+def test_an_unkeyed_store_says_what_it_cannot_detect(ledgers: Ledgers) -> None:
+    bare = Store.open(ledgers.db_url)
+    try:
+        assert bare.integrity_note is not None
+        assert "deliberate edits" in bare.integrity_note
+    finally:
+        bare.close()
+    keyed = ledgers.fresh().store
+    assert keyed.integrity_note is None
+
+
+def test_waits_and_runs_are_sealed_on_both_backends(world: World) -> None:
+    rid = world.waiting_run()
+    [(seal,)] = fetch(world.store.engine, "SELECT seal FROM oo_waits WHERE run_id = :r", r=rid)
+    assert seal is not None
+    [(rseal,)] = fetch(world.store.engine, "SELECT seal FROM oo_runs WHERE run_id = :r", r=rid)
+    assert rseal is not None
+    assert world.operator.show(rid).waits[0].status is WaitStatus.OPEN
+    assert isinstance(world.ledger, Ledger)
