@@ -1925,6 +1925,60 @@ class Store:
         self.read(scan)
         return checked, problems
 
+    def seal_unsealed(self) -> int:
+        """Seal every run, checkpoint and wait that carries no seal (a store created
+        before sealing, or written by a store without keys), as they stand: an
+        operator's decision to trust the current contents, taken after ``verify``.
+
+        Returns:
+            How many rows were sealed.
+
+        Raises:
+            ConfigurationError: This store has no integrity keys.
+        """
+        keys = self.integrity
+        if keys is None:
+            raise ConfigurationError(f"nothing to seal with: {UNKEYED_LIMITS}")
+        from .waits import _COLS as WAIT_COLS  # noqa: PLC0415  (waits imports store)
+        from .waits import _wait_parts  # noqa: PLC0415
+
+        q = self._sql.q
+
+        def txn(cur: Any) -> int:
+            n = 0
+            cur.execute(
+                "SELECT run_id, seq, kind, keyframe_seq, schema_version, step, source, "
+                "created_at, digest FROM oo_checkpoints WHERE seal IS NULL"
+            )
+            for rid, seq, kind, kf, ver, step, src, at, digest in cur.fetchall():
+                parts = _ckpt_parts(rid, seq, kind, kf, ver, step, src, at, bytes(digest))
+                cur.execute(
+                    f"UPDATE oo_checkpoints SET seal = {q} WHERE run_id = {q} AND seq = {q}",
+                    (keys.seal("checkpoints", parts), rid, seq),
+                )
+                n += 1
+            cur.execute(self._sql.runs_rows + " WHERE r.seal IS NULL")
+            for found in cur.fetchall():
+                values = dict(zip(_RUN_COLS, found[: len(_RUN_COLS)], strict=True))
+                digest = found[len(_RUN_COLS)]
+                parts = _run_parts(values, None if digest is None else bytes(digest))
+                cur.execute(
+                    f"UPDATE oo_runs SET seal = {q} WHERE run_id = {q}",
+                    (keys.seal("runs", parts), values["run_id"]),
+                )
+                n += 1
+            cur.execute(f"SELECT {WAIT_COLS} FROM oo_waits WHERE seal IS NULL")
+            for row in cur.fetchall():
+                cur.execute(
+                    f"UPDATE oo_waits SET seal = {q} WHERE run_id = {q} AND name = {q} "
+                    f"AND instance = {q}",
+                    (keys.seal("waits", _wait_parts(tuple(row))), row[0], row[1], row[14]),
+                )
+                n += 1
+            return n
+
+        return self.transact(txn)
+
     @property
     def integrity_note(self) -> str | None:
         """What this store cannot detect (None when it seals its rows)."""

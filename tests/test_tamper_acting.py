@@ -233,3 +233,20 @@ def test_waits_and_runs_are_sealed_on_both_backends(world: World) -> None:
     assert rseal is not None
     assert world.operator.show(rid).waits[0].status is WaitStatus.OPEN
     assert isinstance(world.ledger, Ledger)
+
+
+def test_rows_written_without_keys_are_refused_until_sealed(ledgers: Ledgers) -> None:
+    bare = Store.open(ledgers.db_url)
+    try:
+        rid = bare.create_run("flow", next_step="a").run_id
+        bare.save(rid, {"x": 1}, step="start")
+    finally:
+        bare.close()
+    keyed = ledgers.fresh().store
+    with pytest.raises(CorruptRecord, match="carries no seal"):
+        keyed.load_run(rid)
+    assert keyed.seal_unsealed() == 2  # the run row and its checkpoint
+    run, snap = keyed.load_run(rid)
+    assert snap is not None
+    assert (run.next_step, snap.state) == ("a", {"x": 1})
+    assert keyed.seal_unsealed() == 0
