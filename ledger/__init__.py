@@ -16,12 +16,14 @@ from .errors import (
     LedgerError,
     LedgerUnavailable,
     PayloadErased,
+    ResultUnknown,
     SubjectErased,
     UnknownEffect,
 )
 from .keys import EffectIdentity, KeyRecipe, Keyring, Secret
 from .ledger import Ledger
 from .records import (
+    UNKNOWN_RESULT,
     Claim,
     EffectRecord,
     EffectStatus,
@@ -33,7 +35,8 @@ from .records import (
     RetentionPolicy,
 )
 
-__all__ = [
+# Plain sorted, as tests/test_public_api.py checks (isort-style would put constants first).
+__all__ = [  # noqa: RUF022
     "AuditReport",
     "Claim",
     "EffectFailed",
@@ -56,9 +59,11 @@ __all__ = [
     "PayloadErased",
     "ProviderClass",
     "Replay",
+    "ResultUnknown",
     "RetentionPolicy",
     "Secret",
     "SubjectErased",
+    "UNKNOWN_RESULT",
     "UnknownEffect",
     "migrate",
 ]
