@@ -1032,8 +1032,13 @@ class Ledger(QueryMixin):
                 :class:`ResultUnknown` (the guard first asks the adapter's probe) until
                 :meth:`correct` records the result. Ignored when it did not happen.
 
+        Running the same resolution again (the same decision, evidence and actor) returns
+        the entry and changes nothing: an operator action whose answer was lost can be
+        retried.
+
         Raises:
-            InvalidTransition: The entry is not UNKNOWN, NEEDS_HUMAN or an expired claim.
+            InvalidTransition: The entry is not UNKNOWN, NEEDS_HUMAN or an expired claim
+                (and not already resolved by this very decision).
             ConfigurationError: No evidence or actor given.
         """
         if not evidence.strip() or not actor.strip():
@@ -1050,6 +1055,8 @@ class Ledger(QueryMixin):
                 status not in (EffectStatus.UNKNOWN.value, EffectStatus.NEEDS_HUMAN.value)
                 and not expired
             ):
+                if self._resolved_already(cur, row, happened, result, evidence, actor):
+                    return row  # this very decision, run again (its answer was lost)
                 raise InvalidTransition(key_id, status, "resolve")
             changes: Row = {"lease_owner": None, "lease_expires_at": None}
             changes.update(self._decided(cur, row, happened, result))
@@ -1063,6 +1070,25 @@ class Ledger(QueryMixin):
         row = self._write(txn, outcome=False)
         self._remember(row)
         return _record(row)
+
+    def _resolved_already(
+        self, cur: Any, row: Row, happened: bool, result: Any, evidence: str, actor: str
+    ) -> bool:
+        """Whether the entry's last event is this very resolution (same decision, evidence
+        and actor): an operator action whose answer was lost (the process died after the
+        commit, before waking the run) may then be run again."""
+        want = EffectStatus.COMMITTED.value if happened else EffectStatus.NOT_HAPPENED.value
+        if row["status"] != want:
+            return False
+        if happened and (row["result_ct"] is None) != (result is UNKNOWN_RESULT):
+            return False
+        cur.execute(
+            f"SELECT event, actor, detail FROM oo_audit WHERE chain = {self._q} "
+            f"AND key_id = {self._q} ORDER BY seq DESC LIMIT 1",
+            (row["chain"], row["key_id"]),
+        )
+        last = cur.fetchone()
+        return last is not None and tuple(map(str, last)) == ("resolved", actor, evidence)
 
     def correct(
         self,

@@ -422,6 +422,17 @@ def test_resolving_not_happened_wakes_the_run_and_sends_once(env: Env) -> None:
     assert len(env.sent()) == 1
 
 
+def test_a_resolution_whose_process_died_before_waking_the_run_is_run_again(env: Env) -> None:
+    rid, key = _park(env, "lose")
+    args = ("effects", "resolve", key, "--happened", "--evidence", "in the outbox", "--as", "ivy")
+    # the first `effects resolve` recorded the decision, then died before waking the run
+    env.runtime.ledger.resolve(key, happened=True, evidence="in the outbox", actor="ivy")
+    assert env.store.get_run(rid).status is RunStatus.WAITING
+    env.cli(*args)  # run again: no error, and the run wakes
+    assert env.store.get_run(rid).status is RunStatus.RUNNING
+    assert env.cli(*args[:4], "--evidence", "other", "--as", "ivy", ok=False).exit_code == 1
+
+
 def test_resolving_happened_without_a_result_tells_the_step_and_a_correction_repairs_it(
     env: Env,
 ) -> None:

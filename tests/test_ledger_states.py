@@ -1061,3 +1061,28 @@ def test_aperform_runs_ledger_calls_in_the_callers_context(ledgers: Ledgers) -> 
 
     asyncio.run(main())
     assert seen == ["fenced"]
+
+
+def test_the_same_resolution_run_again_changes_nothing_and_succeeds(
+    ledger: Ledger, store: Store
+) -> None:
+    # An operator's process that died after the resolution committed, before it woke the
+    # run, is run again: the very same decision is no error, any other one is.
+    c = in_doubt(ledger)
+    first = ledger.resolve(c.key_id, happened=True, evidence="in the portal", actor="alice")
+    trail = audit_rows(store.engine)
+    again = ledger.resolve(c.key_id, happened=True, evidence="in the portal", actor="alice")
+    assert again == first
+    assert audit_rows(store.engine) == trail
+    others: list[Callable[[], EffectRecord]] = [
+        lambda: ledger.resolve(c.key_id, happened=False, evidence="in the portal", actor="alice"),
+        lambda: ledger.resolve(c.key_id, happened=True, evidence="elsewhere", actor="alice"),
+        lambda: ledger.resolve(c.key_id, happened=True, evidence="in the portal", actor="bob"),
+        lambda: ledger.resolve(
+            c.key_id, happened=True, evidence="in the portal", actor="alice", result=1
+        ),
+    ]
+    for other in others:
+        with pytest.raises(InvalidTransition):
+            other()
+    assert audit_rows(store.engine) == trail
