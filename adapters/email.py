@@ -19,6 +19,15 @@ Outcomes are classified by where the conversation failed, not by exception type 
 The probe mailbox must be filled by *delivery* (the recipient's INBOX, a journal or Bcc
 address), synchronously with the server's acceptance or within ``settle_s``. A copy the
 client APPENDs to Sent itself after a success cannot witness a send whose reply was lost.
+
+The ledger fingerprints what a send *means*, not its wire bytes (which hold a random MIME
+boundary, and a ``Date``): the envelope sender, the set of envelope recipients, and the
+message as a tree of parts, each with its meaningful headers (unfolded, RFC 2047 decoded,
+addresses parsed; not ``Date``, ``Message-ID``, ``Bcc``, ``MIME-Version`` or the
+transfer encoding), its content type and parameters (not the boundary), its disposition
+and filename, and its decoded payload. A resumed or retried step that builds the same
+e-mail again replays it; another body, recipient, subject or attachment under the same
+key is a :class:`~ledger.KeyReuseError`.
 """
 
 from __future__ import annotations
@@ -28,10 +37,11 @@ import imaplib
 import re
 import smtplib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from email import policy
-from email.message import EmailMessage
+from email.headerregistry import AddressHeader, BaseHeader, ParameterizedMIMEHeader
+from email.message import EmailMessage, Message
 from email.parser import BytesHeaderParser
 from email.utils import formatdate, getaddresses
 from typing import Any, TypedDict
@@ -56,6 +66,14 @@ __all__ = [
 
 _DOMAIN = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 _OWN_HEADERS = ("Message-ID", "X-Idempotency-Key")
+# Headers that say how a part is encoded or framed (its meaning is described apart).
+_PART_FRAMING = frozenset(
+    {"content-type", "content-transfer-encoding", "content-disposition", "mime-version"}
+)
+# Headers of the message itself that do not change what is sent: the adapter sets the
+# first two, ``Date`` is when, and ``Bcc`` is never sent (its recipients are the envelope's).
+_MESSAGE_OWN = frozenset({"message-id", "x-idempotency-key", "date", "bcc"})
+_FOLD = re.compile(r"\r?\n(?=[ \t])")
 
 
 class SentEmail(TypedDict):
@@ -201,7 +219,8 @@ class GuardedSMTP:
         self.smtp = smtp
         self.probe_mailbox = probe_mailbox
         self.domain = domain
-        options: dict[str, Any] = {
+        self.ledger = ledger
+        self._options: dict[str, Any] = {
             "effect": effect,
             "provider_class": ProviderClass.QUERYABLE,
             "probe": self.probe,
@@ -210,12 +229,6 @@ class GuardedSMTP:
             "tenant": tenant,
             "subject": subject,
         }
-        self._by_step: Callable[[bytes, str, list[str]], SentEmail] = guard(ledger, **options)(
-            self._transmit
-        )
-        self._by_key: Callable[[bytes, str, list[str], str], SentEmail] = guard(
-            ledger, key=_explicit_key, **options
-        )(self._transmit_keyed)
 
     def message_id(self, provider_key: str) -> str:
         """The Message-ID (with angle brackets) of the send with ``provider_key``."""
@@ -252,7 +265,7 @@ class GuardedSMTP:
             if name in message:
                 raise ConfigurationError(f"GuardedSMTP sets {name} itself; remove it")
         sender = from_addr or _first_address(message, "From")
-        recipients = (
+        listed = (
             list(to_addrs)
             if to_addrs is not None
             else [
@@ -265,12 +278,21 @@ class GuardedSMTP:
                 if a
             ]
         )
-        if not sender or not recipients:
+        envelope = list(dict.fromkeys(listed))  # one RCPT per address, in the given order
+        if not sender or not envelope:
             raise ConfigurationError("an e-mail needs a sender and at least one recipient")
         wire = _copy_without_bcc(message).as_bytes(policy=policy.SMTP)
-        if key is not None:
-            return self._by_key(wire, sender, recipients, key)
-        return self._by_step(wire, sender, recipients)
+
+        # The guarded call's arguments are what the ledger fingerprints and stores: what
+        # the e-mail means. The wire bytes (a random boundary, perhaps a Date) are sent but
+        # never fingerprinted, so the same e-mail built again by a resumed step replays.
+        def deliver(message: dict[str, Any], sender: str, recipients: list[str]) -> SentEmail:
+            return self._transmit(wire, sender, envelope)
+
+        guarded = guard(
+            self.ledger, key=None if key is None else (lambda *_a, **_k: key), **self._options
+        )(deliver)
+        return guarded(_meaning(message, top=True), sender, sorted(envelope))
 
     def probe(self, record: EffectRecord) -> tuple[Evidence, Any]:
         """The guard's class-B probe: is the Message-ID of ``record`` in the mailbox?"""
@@ -287,11 +309,6 @@ class GuardedSMTP:
         return Evidence.NOT_HAPPENED, None
 
     # -- inside the guard ---------------------------------------------------------------
-
-    def _transmit_keyed(
-        self, raw: bytes, sender: str, recipients: list[str], key: str
-    ) -> SentEmail:
-        return self._transmit(raw, sender, recipients)
 
     def _transmit(self, raw: bytes, sender: str, recipients: list[str]) -> SentEmail:
         provider_key = current_claim().provider_key
@@ -346,10 +363,6 @@ class GuardedSMTP:
             raise EmailNotSent(text, phase=phase) from exc
 
 
-def _explicit_key(raw: bytes, sender: str, recipients: list[str], key: str) -> str:
-    return key
-
-
 def _as_bytes(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode("utf-8", "replace")
 
@@ -357,6 +370,68 @@ def _as_bytes(value: bytes | str) -> bytes:
 def _first_address(message: EmailMessage, header: str) -> str:
     found = [a for _, a in getaddresses(message.get_all(header, [])) if a]
     return found[0] if found else ""
+
+
+def _meaning(part: Message, *, top: bool = False) -> dict[str, Any]:
+    """A deterministic description of what ``part`` says, recursively: its meaningful
+    headers (names lower-cased and sorted, values parsed as one policy reads them), its
+    content type and parameters without the boundary, its disposition with parameters,
+    and its decoded payload, or its sub-parts in order (a ``message/rfc822`` part's one
+    sub-part is the enclosed message, all of whose headers count)."""
+    skip = _PART_FRAMING | _MESSAGE_OWN if top else _PART_FRAMING
+    headers = sorted(
+        (
+            [name.lower(), _header_value(name, value)]
+            for name, value in part.items()
+            if name.lower() not in skip
+        ),
+        key=lambda pair: str(pair[0]),
+    )
+    ctype = _parsed("Content-Type", part.get("Content-Type", part.get_default_type()))
+    described: dict[str, Any] = {
+        "headers": headers,
+        "type": part.get_content_type(),
+        "params": _params(ctype, skip="boundary"),
+    }
+    disposition = part.get("Content-Disposition")
+    if disposition is not None:
+        described["disposition"] = [
+            part.get_content_disposition(),
+            _params(_parsed("Content-Disposition", disposition)),
+        ]
+    if part.is_multipart():
+        described["parts"] = [_meaning(p) for p in part.get_payload() if isinstance(p, Message)]
+    else:
+        payload = part.get_payload(decode=True)
+        if isinstance(payload, bytes) and part.get_content_maintype() == "text":
+            # text travels with CRLF line ends whatever the message was built with
+            payload = payload.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        described["payload"] = payload
+    return described
+
+
+def _parsed(name: str, value: Any) -> Any:
+    """``value`` as the default policy parses it: a header object of any policy as it
+    is, a raw or compat32 value unfolded and decoded (RFC 2047, RFC 2231)."""
+    if isinstance(value, BaseHeader):
+        return value
+    return policy.default.header_factory(name, _FOLD.sub("", str(value)))
+
+
+def _params(header: Any, *, skip: str = "") -> list[list[str]]:
+    """The parameters of a MIME header, decoded, names lower-cased, sorted."""
+    params: Mapping[str, Any] = header.params if isinstance(header, ParameterizedMIMEHeader) else {}
+    return sorted([k.lower(), str(v)] for k, v in params.items() if k.lower() != skip)
+
+
+def _header_value(name: str, value: Any) -> Any:
+    header = _parsed(name, value)
+    if isinstance(header, AddressHeader):
+        return [
+            [g.display_name, [[a.display_name, a.addr_spec] for a in g.addresses]]
+            for g in header.groups
+        ]
+    return str(header)
 
 
 def _copy_without_bcc(message: EmailMessage) -> EmailMessage:

@@ -33,8 +33,28 @@ position among the ``tool_calls`` of the ``AIMessage`` that holds it (its id onl
 it there). The tool body runs inside that step (:func:`adapters.step`), so guarded
 adapters it calls (``GuardedHTTP``, ``GuardedSMTP``) get stable position keys too. The
 tool name and arguments are fingerprinted: the same position with other arguments is a
-``KeyReuseError``. A graph without a checkpointer has no ``thread_id`` and no resume: the
-guard refuses it (``ConfigurationError``).
+``KeyReuseError``. A graph without a checkpointer (or invoked without a ``thread_id``)
+has no resume: the guard refuses it (``ConfigurationError``).
+
+**Durability.** The task id, and so the key, is only as durable as the checkpoint it is
+derived from, and that checkpoint also holds the plan (the ``AIMessage``, the ``Send``)
+the call carries out. Under LangGraph's default ``durability="async"`` the super-step's
+tasks start while that checkpoint is still being saved: a crash after the tool acted and
+before the save landed resumes from an older checkpoint, the model's step is re-run (or
+its saved writes re-applied) into a new checkpoint, and the same call comes back under a
+new task id, possibly re-planned with other arguments or at another index, and would act
+a second time. So before the first call of a super-step the guard waits until the
+checkpointer holds every checkpoint in the task's ``checkpoint_map`` (its own graph's and
+each enclosing graph's): the call acts only from a durable plan, and any resume re-runs
+it from that same checkpoint, so with the same task id and key. ``durability="sync"``
+has saved it already (one read confirms it); under ``"exit"`` LangGraph saves only when
+the run ends, so a call planned from an unsaved checkpoint is refused at once with
+:class:`PlanNotDurable` (nothing is sent; LangGraph saves the checkpoint as the run
+exits, and a resume acts from it). A checkpoint still missing after
+``checkpoint_wait_s`` (a subgraph compiled with ``checkpointer=False`` never saves its
+own; a failing saver) is :class:`PlanNotDurable` too. "Durable" is the saver's word: a
+checkpoint its ``get_tuple`` returns must survive a crash (``SqliteSaver``, the
+PostgreSQL saver, ``OnceOnlySaver.from_url``; ``InMemorySaver`` only within a process).
 
 **Outcomes.** Per tool, a :class:`ToolPolicy` names the provider class (A with a dedup
 window, B with a probe, C), a ``classify`` function (default: every exception is
@@ -67,6 +87,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -79,12 +102,63 @@ from .guard import Probe, RetryPolicy, guard
 
 if TYPE_CHECKING:
     from langchain_core.messages import ToolMessage
+    from langgraph.checkpoint.base import BaseCheckpointSaver
     from langgraph.prebuilt.tool_node import ToolCallRequest
     from langgraph.types import Command
 
-__all__ = ["ToolGuard", "ToolPolicy"]
+__all__ = ["PlanNotDurable", "ToolGuard", "ToolPolicy"]
 
 _RECORD = "tool_message"  # the recorded result's tag (a probe's result has none)
+_SAVED = 1024  # checkpoints a guard remembers as saved (one read per super-step, not call)
+_FIRST_PAUSE_S = 0.002
+_MAX_PAUSE_S = 0.05
+
+
+class PlanNotDurable(ConfigurationError):
+    """A tool call's super-step was planned from a checkpoint the saver does not hold.
+
+    Acting now could act twice: a crash would resume from an older checkpoint and the call
+    would come back under a new task id, so a new key. Nothing was sent and nothing was
+    recorded.
+
+    Attributes:
+        thread_id: The thread.
+        checkpoint_ns: The namespace of the checkpoint that is not saved.
+        checkpoint_id: Its id.
+        durability: The run's LangGraph durability mode.
+    """
+
+    def __init__(
+        self,
+        thread_id: str,
+        checkpoint_ns: str,
+        checkpoint_id: str,
+        durability: str,
+        waited_s: float,
+    ) -> None:
+        self.thread_id = thread_id
+        self.checkpoint_ns = checkpoint_ns
+        self.checkpoint_id = checkpoint_id
+        self.durability = durability
+        if durability == "exit":
+            why = (
+                "the run uses durability='exit', which saves checkpoints only when the run "
+                "ends. Invoke graphs with guarded tools with durability='sync' or 'async' (the "
+                "default); the checkpoint is saved as this run exits, and a resume "
+                "(invoke(None, config)) acts from it"
+            )
+        else:
+            why = (
+                f"the checkpointer did not hold it after {waited_s:g} s: a subgraph compiled "
+                "with checkpointer=False never saves its checkpoints (compile it with the "
+                "default checkpointer=None, or True), or the saver is failing or slower than "
+                "ToolGuard(checkpoint_wait_s=...)"
+            )
+        super().__init__(
+            f"tool call not made: its super-step was planned from checkpoint {checkpoint_id} "
+            f"(thread {thread_id!r}, namespace {checkpoint_ns!r}), which is not saved, and "
+            f"{why}. Nothing was sent."
+        )
 
 
 @dataclass(frozen=True)
@@ -137,6 +211,26 @@ class _Call:
     run_id: str
     step_id: str
     task: tuple[str, str]  # (thread, checkpoint_ns): the ToolNode task it runs in
+    plan: _Plan
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The checkpoints a tool call's task was planned from, which must be saved first."""
+
+    thread_id: str
+    checkpoints: tuple[tuple[str, str], ...]  # (checkpoint_ns, checkpoint_id), outermost first
+    saver: BaseCheckpointSaver[Any]
+    durability: str
+
+    def config(self, ns: str, checkpoint_id: str) -> Any:
+        return {
+            "configurable": {
+                "thread_id": self.thread_id,
+                "checkpoint_ns": ns,
+                "checkpoint_id": checkpoint_id,
+            }
+        }
 
 
 class ToolGuard:
@@ -152,6 +246,12 @@ class ToolGuard:
             ambiguous: never re-sent).
         tenant: The tenant of every key.
         messages_key: The state key of the message list (as given to ``ToolNode``).
+        checkpoint_wait_s: How long a call waits for the checkpointer to hold the
+            checkpoint its super-step was planned from (``async`` durability saves it while
+            the step runs) before it is refused with :class:`PlanNotDurable`.
+
+    Raises:
+        ConfigurationError: ``checkpoint_wait_s`` is not positive.
     """
 
     def __init__(
@@ -162,13 +262,19 @@ class ToolGuard:
         default: ToolPolicy | None = None,
         tenant: str = "",
         messages_key: str = "messages",
+        checkpoint_wait_s: float = 30.0,
     ) -> None:
+        if not checkpoint_wait_s > 0:
+            raise ConfigurationError("checkpoint_wait_s must be > 0")
         self.ledger = ledger
         self.policies = dict(policies or {})
         self.default = default or ToolPolicy()
         self.tenant = tenant
         self.messages_key = messages_key
+        self.checkpoint_wait_s = checkpoint_wait_s
         self._peers: dict[tuple[str, str], set[asyncio.Event]] = {}  # per running task
+        self._saved: OrderedDict[tuple[str, str, str], None] = OrderedDict()
+        self._saved_lock = threading.Lock()  # ToolNode runs a message's calls in threads
 
     def policy(self, tool: str) -> ToolPolicy:
         """The policy of ``tool``."""
@@ -203,6 +309,9 @@ class ToolGuard:
         Raises:
             ledger.EffectInDoubt: The call may have happened and no evidence settles it.
             ledger.KeyReuseError: This position was recorded with other arguments.
+            PlanNotDurable: The checkpoint the call was planned from is not saved (and
+                will not be, or not within ``checkpoint_wait_s``); nothing was sent.
+            ConfigurationError: No checkpointer or no thread, or the call has no position.
             Exception: The tool's own exception when it was not sent and attempts ran out.
         """
         call = self._place(request)
@@ -212,6 +321,7 @@ class ToolGuard:
             return _record(execute(request), codec)
 
         guarded = self._guard(call)(act)
+        self._wait_saved(call.plan)
         with step(call.run_id, call.step_id, tenant=self.tenant):
             try:
                 return _message(guarded(call.tool, call.args), request)
@@ -243,6 +353,8 @@ class ToolGuard:
         try:
             with step(call.run_id, call.step_id, tenant=self.tenant):
                 try:
+                    # Inside: a refused call, like a failed one, waits for its siblings.
+                    await self._await_saved(call.plan)
                     return _message(await guarded(call.tool, call.args), request)
                 except Exception as exc:
                     answer = _answer(call, request, exc)
@@ -265,8 +377,61 @@ class ToolGuard:
         run_id, step_id = self.position(request)
         task = (run_id, step_id.rpartition("/")[0])
         return _Call(
-            tool, request.tool_call["args"], policy, _classifier(policy), run_id, step_id, task
+            tool,
+            request.tool_call["args"],
+            policy,
+            _classifier(policy),
+            run_id,
+            step_id,
+            task,
+            _plan(request, run_id),
         )
+
+    def _unsaved(self, plan: _Plan) -> list[tuple[str, str]]:
+        with self._saved_lock:
+            return [c for c in plan.checkpoints if (plan.thread_id, *c) not in self._saved]
+
+    def _remember(self, plan: _Plan, checkpoint: tuple[str, str]) -> None:
+        with self._saved_lock:
+            self._saved[(plan.thread_id, *checkpoint)] = None
+            while len(self._saved) > _SAVED:
+                self._saved.popitem(last=False)
+
+    def _wait_saved(self, plan: _Plan) -> None:
+        """Return once the saver holds every checkpoint of ``plan``; else PlanNotDurable."""
+        deadline = time.monotonic() + self.checkpoint_wait_s
+        pause = _FIRST_PAUSE_S
+        for checkpoint in self._unsaved(plan):
+            while plan.saver.get_tuple(plan.config(*checkpoint)) is None:
+                pause = self._pause(plan, checkpoint, deadline, pause)
+                time.sleep(pause)
+            self._remember(plan, checkpoint)
+
+    async def _await_saved(self, plan: _Plan) -> None:
+        """The async twin of :meth:`_wait_saved`."""
+        deadline = time.monotonic() + self.checkpoint_wait_s
+        pause = _FIRST_PAUSE_S
+        for checkpoint in self._unsaved(plan):
+            while await _aget_tuple(plan.saver, plan.config(*checkpoint)) is None:
+                pause = self._pause(plan, checkpoint, deadline, pause)
+                await asyncio.sleep(pause)
+            self._remember(plan, checkpoint)
+
+    def _pause(
+        self, plan: _Plan, checkpoint: tuple[str, str], deadline: float, pause: float
+    ) -> float:
+        """The next pause before asking the saver again; PlanNotDurable when none is left."""
+        left = deadline - time.monotonic()
+        if plan.durability == "exit" or left <= 0:
+            # "exit" saves only when the run ends: waiting inside the run cannot help.
+            raise PlanNotDurable(
+                plan.thread_id,
+                checkpoint[0],
+                checkpoint[1],
+                plan.durability,
+                self.checkpoint_wait_s,
+            )
+        return min(pause * 2, _MAX_PAUSE_S, left)
 
     def _guard(self, call: _Call) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         policy = call.policy
@@ -279,6 +444,50 @@ class ToolGuard:
             classify=call.classify,
             probe=policy.probe,
         )
+
+
+def _plan(request: ToolCallRequest, thread_id: str) -> _Plan:
+    """The checkpoints the call's task was planned from, the saver and the durability mode.
+
+    ``checkpoint_map`` maps the namespace of the call's graph and of each enclosing graph
+    to the checkpoint its current super-step was planned from; the call's task id (in the
+    key) derives from the innermost, and its namespace holds the enclosing tasks' ids,
+    derived from the others.
+    """
+    from langgraph._internal._constants import (  # noqa: PLC0415  (optional dependency)
+        CONFIG_KEY_CHECKPOINT_MAP,
+        CONFIG_KEY_CHECKPOINTER,
+        CONFIG_KEY_DURABILITY,
+    )
+
+    info = request.runtime.execution_info
+    conf: Mapping[str, Any] = (getattr(request.runtime, "config", None) or {}).get(
+        "configurable", {}
+    )
+    saver = conf.get(CONFIG_KEY_CHECKPOINTER)
+    if saver is None:
+        raise ConfigurationError(
+            "a guarded ToolNode must run in a graph compiled with a checkpointer: without "
+            "one there is no resume to protect and no stable key"
+        )
+    mapped = conf.get(CONFIG_KEY_CHECKPOINT_MAP)
+    if not mapped and info is not None:
+        mapped = {info.checkpoint_ns.rpartition("|")[0]: info.checkpoint_id}
+    if not mapped:
+        raise ConfigurationError(
+            "cannot tell which checkpoint this tool call was planned from (no checkpoint_map "
+            "in its config): nothing was sent"
+        )
+    # LangGraph's default (it stores the mode in the config only when one is given).
+    durability = str(conf.get(CONFIG_KEY_DURABILITY) or "async")
+    return _Plan(thread_id, tuple((str(k), str(v)) for k, v in mapped.items()), saver, durability)
+
+
+async def _aget_tuple(saver: BaseCheckpointSaver[Any], config: Any) -> Any:
+    try:
+        return await saver.aget_tuple(config)
+    except NotImplementedError:  # a sync-only saver (SqliteSaver) behind an async tool call
+        return await asyncio.to_thread(saver.get_tuple, config)
 
 
 def _answer(call: _Call, request: ToolCallRequest, exc: Exception) -> ToolMessage | None:

@@ -5,10 +5,12 @@ The bottom layer of onceonly; it imports nothing from ``ledger``, ``adapters`` o
 """
 
 from ._delta import ChunkedList
+from ._retry import DatabaseRetry, interrupt_retries, is_transient
 from ._schema import Migration, apply_migrations, pending_sql
-from .codec import Codec
+from .codec import Codec, Opaque
 from .errors import (
     AsyncWriteError,
+    CheckpointLost,
     CheckpointNotFound,
     CodecError,
     ConcurrentWrite,
@@ -30,6 +32,7 @@ from .errors import (
     WeakDurabilityError,
 )
 from .failpoints import arm, armed, disarm, failpoint
+from .integrity import RowKeys
 from .records import (
     CheckpointInfo,
     Durability,
@@ -49,6 +52,7 @@ from .waits import Wait, WaitKind, Waits, WaitStatus, notify_ready, subject_hash
 __all__ = [
     "AsyncWriteError",
     "CheckpointInfo",
+    "CheckpointLost",
     "CheckpointNotFound",
     "ChunkedList",
     "Codec",
@@ -57,6 +61,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptRecord",
     "DatabaseLocked",
+    "DatabaseRetry",
     "DatabaseUnavailable",
     "Durability",
     "Handoff",
@@ -65,8 +70,10 @@ __all__ = [
     "Migration",
     "NotFound",
     "OnceOnlyError",
+    "Opaque",
     "RetentionPolicy",
     "RetentionReport",
+    "RowKeys",
     "Run",
     "RunExists",
     "RunNotFound",
@@ -92,6 +99,8 @@ __all__ = [
     "disarm",
     "ensure_schema",
     "failpoint",
+    "interrupt_retries",
+    "is_transient",
     "migrate",
     "migrate_component",
     "notify_ready",

@@ -25,7 +25,7 @@ from typing import Any, overload
 
 import blake3
 
-from .codec import Codec
+from .codec import Codec, Opaque
 from .errors import CodecError, CorruptRecord
 
 BLOB_MIN = 4096  # a set value at least this large (encoded) goes to a blob
@@ -243,8 +243,8 @@ def same(a: Any, b: Any, codec: Codec) -> bool:
     ta = type(a)
     if ta is not type(b):
         return False
-    if ta is str or ta is int or ta is bytes or ta is bool:
-        return bool(a == b)
+    if ta is str or ta is int or ta is bytes or ta is bool or ta is Opaque:
+        return bool(a == b)  # an Opaque is its exact encoding
     if ta is float:
         return bool(a.hex() == b.hex())  # keeps -0.0 apart from 0.0; nan matches nan
     if ta is list or ta is tuple:
@@ -262,7 +262,7 @@ def same(a: Any, b: Any, codec: Codec) -> bool:
 def private_copy(v: Any) -> Any:
     """A copy sharing no mutable container with ``v`` (immutable leaves are shared)."""
     t = type(v)
-    if t is str or t is int or t is float or t is bool or v is None or t is bytes:
+    if t is str or t is int or t is float or t is bool or v is None or t is bytes or t is Opaque:
         return v
     if t is dict:
         return {k: private_copy(x) for k, x in v.items()}

@@ -193,45 +193,151 @@ def is_integrity_error(exc: BaseException) -> bool:
     return type(exc).__name__ in ("IntegrityError", "UniqueViolation")
 
 
+# PostgreSQL SQLSTATEs of failures that pass: the connection went away or was refused
+# (class 08, an administrator or crash shutdown, a server starting up, too many
+# connections), or a concurrent transaction won (serialization failure, deadlock).
+_PG_GONE = ("57P01", "57P02", "57P03", "53300")
+_PG_CONFLICT = ("40001", "40P01")
+# Driver messages of a connection refused or lost (psycopg raises many of these without a
+# SQLSTATE, from libpq).
+_GONE_TEXT = (
+    "connection refused",
+    "could not connect",
+    "connection failed",
+    "no such file or directory",
+    "server closed the connection",
+    "terminating connection",
+    "the connection is closed",
+    "connection is lost",
+    "consuming input failed",
+    "could not receive data from server",
+    "could not send data to server",
+    "connection reset",
+    "broken pipe",
+    "connection timed out",
+    "ssl syscall error",
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "the database system is not yet accepting connections",
+    "is not currently accepting connections",
+    "too many clients",
+    "remaining connection slots are reserved",
+)
+_IO_TEXT = (
+    "disk i/o error",
+    "i/o error",
+    "input/output error",
+    "disk is full",
+    "database or disk is full",
+    "no space left on device",
+    "readonly",
+    "read-only",
+    "could not fsync",
+    "could not write",
+)
+
+
 def classify(exc: BaseException, action: str) -> StoreError:
-    """Map a driver error to the onceonly error that says what to do."""
+    """Map a driver error to the onceonly error that says what to do.
+
+    The error's ``transient`` flag says whether the failure passes by itself (see
+    :mod:`checkpoint._retry` for the rules the store retries by).
+    """
     raw = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
     orig = " ".join(str(raw).split())  # drivers' messages span lines; ours are one line
     text = orig.lower()
-    if "database is locked" in text or "database table is locked" in text:
+    sqlstate = str(getattr(raw, "sqlstate", None) or "")
+    # A failing disk first: its messages may also mention files or connections.
+    if any(s in text for s in _IO_TEXT) and sqlstate[:2] != "08":
+        return StoreError(
+            f"could not {action}: the database reported an I/O error ({orig}); the "
+            f"transaction was rolled back. Stop, fix the disk, and restart: the store "
+            f"recovers from what was committed."
+        )
+    if (
+        "database is locked" in text
+        or "database table is locked" in text
+        or sqlstate == "55P03"  # lock_not_available
+    ):
         return DatabaseLocked(
-            f"could not {action}: the SQLite database stayed locked by another writer "
+            f"could not {action}: the database stayed locked by another writer "
             f"longer than busy_timeout; nothing was written. Retry, raise busy_timeout_ms, "
-            f"or move many concurrent workers to PostgreSQL."
+            f"or move many concurrent workers to PostgreSQL.",
+            transient=True,
+        )
+    if sqlstate in _PG_CONFLICT:
+        return StoreError(
+            f"could not {action}: a concurrent transaction conflicted with it ({orig}); "
+            f"nothing was written. Retry.",
+            transient=True,
+        )
+    if "unable to open database" in text:
+        # SQLite: the file or its directory cannot be opened (a wrong path, permissions,
+        # no file descriptors left): not something that passes by waiting.
+        return DatabaseUnavailable(
+            f"could not {action}: the SQLite database file cannot be opened ({orig}); "
+            f"nothing was written. Check the path and its permissions."
         )
     invalidated = isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated
     if (
         invalidated
         or isinstance(exc, sa_exc.InterfaceError)
         or type(raw).__name__ == "InterfaceError"
-        or any(
-            s in text
-            for s in (
-                "unable to open database",
-                "connection refused",
-                "could not connect",
-                "connection failed",
-                "no such file or directory",
-                "server closed the connection",
-                "terminating connection",
-                "the connection is closed",
-                "connection is lost",
-            )
-        )
+        or sqlstate[:2] == "08"
+        or sqlstate in _PG_GONE
+        # libpq reports a refused or broken connection without a SQLSTATE; a server's
+        # answer with one (a missing file on the server, say) is not a lost connection.
+        or (not sqlstate and any(s in text for s in _GONE_TEXT))
     ):
         return DatabaseUnavailable(
             f"could not {action}: the database is unreachable ({orig}); nothing was "
-            f"written. Check that the server is running and the URL is right, then retry."
-        )
-    if "disk i/o error" in text or "disk is full" in text or "readonly" in text:
-        return StoreError(
-            f"could not {action}: the database reported an I/O error ({orig}); the "
-            f"transaction was rolled back. Stop, fix the disk, and restart: the store "
-            f"recovers from what was committed."
+            f"written. Check that the server is running and the URL is right, then retry.",
+            transient=True,
         )
     return StoreError(f"could not {action}: {orig}")
+
+
+def lost_commit(exc: BaseException) -> StoreError | None:
+    """The error for a failure of COMMIT itself when its outcome is unknown.
+
+    A connection lost while COMMIT was on its way may have been committed by the server
+    before it went: that is a :class:`DatabaseUnavailable` with ``may_have_committed``,
+    which the store never runs again unless the transaction is idempotent. Returns None
+    when the database answered the COMMIT with a refusal (SQLite busy, a serialization
+    failure, a constraint, an I/O error): the transaction was rolled back, and the error
+    is classified as any other.
+    """
+    err = classify(exc, "commit a transaction")
+    if not (isinstance(err, DatabaseUnavailable) and err.transient):
+        return None
+    raw = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
+    orig = " ".join(str(raw).split())
+    return DatabaseUnavailable(
+        f"the connection to the database was lost while committing a transaction "
+        f"({orig}): it may or may not have been written, and it was not run again. Read "
+        f"back what it wrote before doing it again.",
+        transient=True,
+        may_have_committed=True,
+    )
+
+
+@contextlib.contextmanager
+def begin(engine: Engine) -> Iterator[Connection]:
+    """``engine.begin()``, except that a COMMIT whose answer was lost raises
+    :func:`lost_commit`'s error (the connection is discarded with it)."""
+    with engine.connect() as conn:
+        txn = conn.begin()
+        try:
+            yield conn
+        except BaseException:
+            with contextlib.suppress(sa_exc.DBAPIError):  # a lost connection cannot roll back
+                txn.rollback()
+            raise
+        try:
+            txn.commit()
+        except sa_exc.DBAPIError as exc:
+            lost = lost_commit(exc)
+            if lost is None:
+                raise
+            raise lost from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import (
     Column,
@@ -26,7 +27,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.schema import CreateIndex, CreateTable, DDLElement
+from sqlalchemy.schema import DDL, CreateIndex, CreateTable, DDLElement
 
 from .errors import SchemaVersionError
 
@@ -40,42 +41,58 @@ schema_versions = Table(
     Column("applied_at", Float, nullable=False),
 )
 
-runs = Table(
-    "oo_runs",
-    metadata,
-    Column("run_id", String(200), primary_key=True),
-    Column("flow", String(200), nullable=False),
-    Column("code_version", String(100), nullable=False),
-    Column("state_version", Integer, nullable=False),
-    Column("status", String(16), nullable=False),
-    Column("next_step", String(200), nullable=True),
-    Column("lease_owner", String(200), nullable=True),
-    Column("lease_expires_at", Float, nullable=True),
-    Column("handoff", LargeBinary, nullable=True),
-    Column("head_seq", Integer, nullable=True),
-    Column("created_at", Float, nullable=False),
-    Column("updated_at", Float, nullable=False),
-)
+
+def _runs_table(meta: MetaData, *, sealed: bool) -> Table:
+    """``oo_runs`` before schema version 4 (``sealed=False``, for migration 1) or now."""
+    return Table(
+        "oo_runs",
+        meta,
+        Column("run_id", String(200), primary_key=True),
+        Column("flow", String(200), nullable=False),
+        Column("code_version", String(100), nullable=False),
+        Column("state_version", Integer, nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("next_step", String(200), nullable=True),
+        Column("lease_owner", String(200), nullable=True),
+        Column("lease_expires_at", Float, nullable=True),
+        Column("handoff", LargeBinary, nullable=True),
+        Column("head_seq", Integer, nullable=True),
+        Column("created_at", Float, nullable=False),
+        Column("updated_at", Float, nullable=False),
+        *([Column("seal", LargeBinary, nullable=True)] if sealed else []),
+    )
+
+
+def _checkpoints_table(meta: MetaData, *, sealed: bool) -> Table:
+    """``oo_checkpoints`` before schema version 4 (``sealed=False``) or now."""
+    return Table(
+        "oo_checkpoints",
+        meta,
+        Column("run_id", String(200), nullable=False),
+        Column("seq", Integer, nullable=False),
+        Column("kind", SmallInteger, nullable=False),  # 0 keyframe, 1 delta
+        Column("keyframe_seq", Integer, nullable=False),
+        Column("step", String(200), nullable=False),
+        Column("source", String(16), nullable=False),
+        Column("schema_version", Integer, nullable=False),
+        Column("created_at", Float, nullable=False),
+        Column("body", LargeBinary, nullable=False),
+        Column("digest", LargeBinary, nullable=False),
+        *([Column("seal", LargeBinary, nullable=True)] if sealed else []),
+        PrimaryKeyConstraint("run_id", "seq"),
+        sqlite_with_rowid=False,
+    )
+
+
+_v1 = MetaData()
+_runs_v1 = _runs_table(_v1, sealed=False)
+_runs_v1_by_status = Index("oo_runs_status", _runs_v1.c.status)
+_checkpoints_v1 = _checkpoints_table(_v1, sealed=False)
+runs = _runs_table(metadata, sealed=True)
 # Status only: updated_at changes on every checkpoint, and indexing it would add a page
 # write to every step's commit.
 runs_by_status = Index("oo_runs_status", runs.c.status)
-
-checkpoints = Table(
-    "oo_checkpoints",
-    metadata,
-    Column("run_id", String(200), nullable=False),
-    Column("seq", Integer, nullable=False),
-    Column("kind", SmallInteger, nullable=False),  # 0 keyframe, 1 delta
-    Column("keyframe_seq", Integer, nullable=False),
-    Column("step", String(200), nullable=False),
-    Column("source", String(16), nullable=False),
-    Column("schema_version", Integer, nullable=False),
-    Column("created_at", Float, nullable=False),
-    Column("body", LargeBinary, nullable=False),
-    Column("digest", LargeBinary, nullable=False),
-    PrimaryKeyConstraint("run_id", "seq"),
-    sqlite_with_rowid=False,
-)
+checkpoints = _checkpoints_table(metadata, sealed=True)
 
 blobs = Table(
     "oo_blobs",
@@ -103,35 +120,121 @@ class Migration:
     Attributes:
         version: The schema version this migration produces.
         description: What it changes, for ``onceonly migrate --sql``.
-        statements: DDL elements, executed in order in one transaction.
+        statements: DDL elements (or :class:`OnlyOn` one database), executed in order
+            in one transaction.
     """
 
     version: int
     description: str
-    statements: Sequence[DDLElement]
+    statements: Sequence[DDLElement | OnlyOn]
 
 
-waits = Table(
-    "oo_waits",
-    metadata,
-    Column("run_id", String(200), nullable=False),
-    Column("name", String(200), nullable=False),
-    Column("kind", String(16), nullable=False),  # approval | signal | timer
-    Column("status", String(16), nullable=False),
-    Column("due_at", Float, nullable=True),  # timer due, or approval expiry
-    Column("subject_hash", String(64), nullable=True),
-    Column("subject", LargeBinary, nullable=True),  # what is to be approved (codec)
-    Column("requested_by", String(200), nullable=True),
-    Column("allow_self", SmallInteger, nullable=False),
-    Column("payload", LargeBinary, nullable=True),  # a signal's payload (codec)
-    Column("decided_by", String(200), nullable=True),
-    Column("decided_at", Float, nullable=True),
-    Column("reason", String(2000), nullable=True),
-    Column("created_at", Float, nullable=False),
-    PrimaryKeyConstraint("run_id", "name"),
-)
+@dataclass(frozen=True)
+class OnlyOn:
+    """A migration statement for one database only (a table rebuild on SQLite, an
+    ``ALTER`` on PostgreSQL)."""
+
+    dialect: str
+    element: DDLElement
+
+
+def _sql(text: str) -> DDLElement:
+    return DDL(text)  # type: ignore[no-untyped-call]
+
+
+def _for(dialect: str, migration: Migration) -> list[DDLElement]:
+    """The statements of ``migration`` that run on ``dialect``."""
+    out: list[DDLElement] = []
+    for stmt in migration.statements:
+        if isinstance(stmt, OnlyOn):
+            if stmt.dialect == dialect:
+                out.append(stmt.element)
+        else:
+            out.append(stmt)
+    return out
+
+
+def _waits_table(meta: MetaData, *, version: int) -> Table:
+    """``oo_waits`` as of schema version 2 (for migration 2), 3 (for migration 3's
+    rebuild on SQLite) or 4 (today's: sealed rows).
+
+    Version 3 makes a wait belong to the step visit that opened it: ``(run_id, name,
+    instance)`` is the key, ``opened_by`` the opening step visit (``step#visit``; NULL
+    for a signal delivered before any wait of its name opened). A loop that waits under
+    one name on every pass opens a new instance each pass.
+    """
+    extra: list[Any] = []
+    if version >= 3:
+        extra = [
+            Column("instance", Integer, nullable=False, server_default="0"),
+            Column("opened_by", String(200), nullable=True),
+            *([Column("seal", LargeBinary, nullable=True)] if version >= 4 else []),
+            PrimaryKeyConstraint("run_id", "name", "instance"),
+        ]
+    else:
+        extra = [PrimaryKeyConstraint("run_id", "name")]
+    return Table(
+        "oo_waits",
+        meta,
+        Column("run_id", String(200), nullable=False),
+        Column("name", String(200), nullable=False),
+        Column("kind", String(16), nullable=False),  # approval | signal | timer
+        Column("status", String(16), nullable=False),
+        Column("due_at", Float, nullable=True),  # timer due, or approval expiry
+        Column("subject_hash", String(64), nullable=True),
+        Column("subject", LargeBinary, nullable=True),  # what is to be approved (codec)
+        Column("requested_by", String(200), nullable=True),
+        Column("allow_self", SmallInteger, nullable=False),
+        Column("payload", LargeBinary, nullable=True),  # a signal's payload (codec)
+        Column("decided_by", String(200), nullable=True),
+        Column("decided_at", Float, nullable=True),
+        Column("reason", String(2000), nullable=True),
+        Column("created_at", Float, nullable=False),
+        *extra,
+    )
+
+
+_v2 = MetaData()
+_waits_v2 = _waits_table(_v2, version=2)
+_waits_v2_by_due = Index("oo_waits_due", _waits_v2.c.status, _waits_v2.c.due_at)
+_v3 = MetaData()
+_waits_v3 = _waits_table(_v3, version=3)
+_waits_v3_by_due = Index("oo_waits_due", _waits_v3.c.status, _waits_v3.c.due_at)
+waits = _waits_table(metadata, version=4)
 # The worker's scan for due timers and expired approvals.
 waits_by_due = Index("oo_waits_due", waits.c.status, waits.c.due_at)
+
+_WAIT_V2_COLS = (
+    "run_id, name, kind, status, due_at, subject_hash, subject, requested_by, allow_self, "
+    "payload, decided_by, decided_at, reason, created_at"
+)
+# Version 3 re-keys oo_waits by (run_id, name, instance). SQLite cannot change a primary
+# key in place: the table is rebuilt (in the migration's one transaction).
+_WAITS_V3_SQLITE: tuple[OnlyOn, ...] = tuple(
+    OnlyOn("sqlite", stmt)
+    for stmt in (
+        _sql("ALTER TABLE oo_waits RENAME TO oo_waits_v2"),
+        _sql("DROP INDEX IF EXISTS oo_waits_due"),
+        CreateTable(_waits_v3),
+        _sql(
+            f"INSERT INTO oo_waits ({_WAIT_V2_COLS}, instance, opened_by) "
+            f"SELECT {_WAIT_V2_COLS}, 0, NULL FROM oo_waits_v2"
+        ),
+        _sql("DROP TABLE oo_waits_v2"),
+        CreateIndex(_waits_v3_by_due),
+    )
+)
+_WAITS_V3_PG: tuple[OnlyOn, ...] = tuple(
+    OnlyOn("postgresql", _sql(stmt))
+    for stmt in (
+        (
+            "ALTER TABLE oo_waits ADD COLUMN instance INTEGER NOT NULL DEFAULT 0, "
+            "ADD COLUMN opened_by VARCHAR(200)"
+        ),
+        "ALTER TABLE oo_waits DROP CONSTRAINT oo_waits_pkey",
+        "ALTER TABLE oo_waits ADD PRIMARY KEY (run_id, name, instance)",
+    )
+)
 
 # A run that shares another run's effect keys (a fork and its origin): retention keeps
 # the origin, whose ledger entries the fork replays, while the fork exists.
@@ -149,9 +252,9 @@ CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
         1,
         "runs, checkpoints (delta + keyframe), content-addressed blobs and their references",
         (
-            CreateTable(runs),
-            CreateIndex(runs_by_status),
-            CreateTable(checkpoints),
+            CreateTable(_runs_v1),
+            CreateIndex(_runs_v1_by_status),
+            CreateTable(_checkpoints_v1),
             CreateTable(blobs),
             CreateTable(blob_refs),
             CreateIndex(blob_refs_by_hash),
@@ -162,10 +265,27 @@ CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
         "waits: approvals (bound to a subject hash), signals and timers of waiting runs; "
         "links from forks to the runs whose effect keys they share",
         (
-            CreateTable(waits),
-            CreateIndex(waits_by_due),
+            CreateTable(_waits_v2),
+            CreateIndex(_waits_v2_by_due),
             CreateTable(run_links),
             CreateIndex(run_links_by_key_run),
+        ),
+    ),
+    Migration(
+        3,
+        "waits belong to the step visit that opened them: oo_waits keyed by (run_id, name, "
+        "instance), with the opening step visit (a loop that waits under one name opens a "
+        "new wait on every pass)",
+        (*_WAITS_V3_SQLITE, *_WAITS_V3_PG),
+    ),
+    Migration(
+        4,
+        "keyed seals on the rows the runtime trusts: runs, checkpoints and waits (a seal "
+        "column each; rows of earlier versions are sealed by `onceonly audit seal`)",
+        tuple(
+            OnlyOn(dialect, _sql(f"ALTER TABLE {table} ADD COLUMN seal {blob}"))
+            for dialect, blob in (("sqlite", "BLOB"), ("postgresql", "BYTEA"))
+            for table in ("oo_runs", "oo_checkpoints", "oo_waits")
         ),
     ),
 )
@@ -217,7 +337,7 @@ def pending_sql(
         if m.version <= have:
             continue
         out.append(f"-- {component} v{m.version}: {m.description}")
-        out.extend(str(s.compile(dialect=dialect)).strip() + ";" for s in m.statements)
+        out.extend(str(s.compile(dialect=dialect)).strip() + ";" for s in _for(dialect.name, m))
     if latest > have:
         if have == 0:
             out.append(
@@ -255,7 +375,7 @@ def apply_migrations(engine: Engine, component: str, migrations: Sequence[Migrat
         for m in migrations:
             if m.version <= have:
                 continue
-            for stmt in m.statements:
+            for stmt in _for(conn.dialect.name, m):
                 conn.execute(stmt)
             applied += 1
         if applied:

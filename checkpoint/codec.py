@@ -27,6 +27,12 @@ Guarantees:
 
 Aware datetimes keep their UTC offset but not a named zone (``ZoneInfo`` becomes a fixed
 offset, which compares equal). ``-0.0`` and ``0.0`` are kept distinct.
+
+A non-strict codec (``Codec(strict=False)``, for tools that do not know the writer's
+dataclasses, such as the ``onceonly`` CLI) decodes a value it cannot rebuild to an
+:class:`Opaque` that holds its tag and its exact encoded form, and every codec encodes an
+``Opaque`` back to exactly those bytes: a tool that loads a state and saves it again
+(fork, edit, cancel, retry) never changes what it did not understand.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from typing import Any
 
 from .errors import CodecError, CorruptRecord, UnknownCodecTag
 
-__all__ = ["Codec"]
+__all__ = ["Codec", "Opaque"]
 
 _DUMPS = json.JSONEncoder(
     ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False
@@ -53,6 +59,30 @@ _TAG = "\x00"
 
 def _sort_key(item: tuple[Any, Any]) -> str:
     return _DUMPS(item[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Opaque:
+    """A stored value that a non-strict codec could not rebuild, kept exactly.
+
+    Every codec encodes it back to ``encoded``, byte for byte, so a tool that does not
+    know a dataclass can load a state holding one and save it again unchanged; a codec
+    that registers the dataclass decodes those bytes to the real value. Immutable and
+    hashable (a set member or mapping key stays one).
+
+    Attributes:
+        tag: The dataclass's registered name, or the unknown codec tag (without its NUL).
+        encoded: The value's canonical encoding (JSON text, tag included).
+    """
+
+    tag: str
+    encoded: str
+
+    @property
+    def value(self) -> Any:
+        """The stored content under the tag, as JSON (a dataclass's fields), for display."""
+        ((key, content),) = json.loads(self.encoded).items()
+        return content[1] if key == "\x00c" else content
 
 
 class Codec:
@@ -66,8 +96,10 @@ class Codec:
         codec.register(Vendor, name="vendor.v1")
 
     Args:
-        strict: When False, unknown tags decode to ``{"$unknown": tag, "value": ...}``
-            instead of raising; for inspection tools only.
+        strict: When False, a value with an unknown tag, an unregistered dataclass name
+            or fields its registered class does not take decodes to an :class:`Opaque`
+            (encoded back verbatim) instead of raising; for tools that do not know the
+            writer's types.
     """
 
     def __init__(self, *, strict: bool = True) -> None:
@@ -129,6 +161,13 @@ class Codec:
                 return v
             return {"\x00f": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
         if t is dict:
+            if len(v) == 2 and "$unknown" in v and "value" in v:
+                raise CodecError(
+                    'a dict {"$unknown": ..., "value": ...} is the lossy placeholder older '
+                    "onceonly tools wrote for a value they could not decode; it is refused "
+                    "as data (the value it stood for is lost in it). Restore the value "
+                    "(an earlier checkpoint, `onceonly runs edit`) before saving"
+                )
             tree = self._tree
             out: dict[str, Any] = {}
             for k, x in v.items():
@@ -160,6 +199,8 @@ class Codec:
         if t is set or t is frozenset:
             items = sorted((self._tree(x) for x in v), key=_DUMPS)
             return {("\x00S" if t is set else "\x00F"): items}
+        if t is Opaque:
+            return json.loads(v.encoded)  # verbatim: re-serialised to the same bytes
         name = self._by_type.get(t)
         if name is not None:
             fields = {
@@ -188,10 +229,13 @@ class Codec:
 
         Raises:
             CorruptRecord: The bytes are not valid canonical JSON.
-            UnknownCodecTag: A tag (or dataclass name) is not known to this codec.
+            UnknownCodecTag: A tag (or dataclass name) is not known to this codec
+                (a strict one; a non-strict codec returns an :class:`Opaque`).
         """
         try:
             text = data.decode("utf-8") if isinstance(data, bytes | bytearray) else data
+            if not self._strict:
+                return self._lenient(json.loads(text))
             return self._decoder.decode(text)
         except CorruptRecord:
             raise
@@ -216,16 +260,12 @@ class Codec:
             raise
         except Exception as exc:
             raise CorruptRecord(f"malformed {k[1:]!r} value ({type(exc).__name__}: {exc})") from exc
-        if not self._strict:
-            return {"$unknown": k[1:], "value": x}
         raise UnknownCodecTag(f"unknown codec tag {k[1:]!r}")
 
     def _dataclass(self, x: Any) -> Any:
         name, fields = x
         cls = self._by_name.get(name)
         if cls is None:
-            if not self._strict:
-                return {"$unknown": name, "value": fields}
             raise UnknownCodecTag(
                 f"dataclass {name!r} is not registered with this codec; register the class "
                 f"that wrote it with codec.register(cls, name={name!r})"
@@ -239,6 +279,49 @@ class Codec:
                 f"convert the value, and save it again (or use a StateMigrations upgrade on "
                 f"state that holds plain dicts)"
             ) from exc
+
+    def _lenient(self, node: Any) -> Any:
+        """Decode a parsed JSON tree, turning each tagged value this codec cannot rebuild
+        into an :class:`Opaque` of its exact canonical form (the stored bytes are
+        canonical, so re-serialising the parsed subtree gives them back)."""
+        t = type(node)
+        if t is list:
+            return [self._lenient(x) for x in node]
+        if t is not dict:
+            return node
+        inner = {k: self._lenient(x) for k, x in node.items()}
+        if len(node) == 1:
+            ((k, x),) = node.items()
+            if k[:1] == _TAG:
+                tag = x[0] if k == "\x00c" and type(x) is list and x else k[1:]
+                try:
+                    return self._hook(inner)
+                except UnknownCodecTag:
+                    return Opaque(str(tag), _DUMPS(node))
+        return self._hook(inner)
+
+    def readable(self, value: Any) -> Any:
+        """``value`` as plain JSON for people and tools (``onceonly runs show``).
+
+        Values JSON cannot carry keep their tagged canonical form (``{"\\u0000dt":
+        "..."}``); a tagged value this codec does not know (an :class:`Opaque`) appears
+        as ``{"$unknown": tag, "value": ...}``. For display only: this codec refuses to
+        store that shape.
+
+        Raises:
+            CodecError: The value cannot be encoded.
+        """
+
+        def show(d: dict[str, Any]) -> Any:
+            if len(d) == 1:
+                ((k, x),) = d.items()
+                if k == "\x00c" and type(x) is list and len(x) == 2 and x[0] not in self._by_name:
+                    return {"$unknown": x[0], "value": x[1]}
+                if k[:1] == _TAG and k not in _DECODERS and k not in ("\x00c", "\x00m"):
+                    return {"$unknown": k[1:], "value": x}
+            return d
+
+        return json.loads(self.encode(value), object_hook=show)
 
 
 def _hashable(v: Any) -> Any:

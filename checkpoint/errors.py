@@ -8,8 +8,9 @@ Every error onceonly raises derives from :class:`OnceOnlyError`; the upper layer
     │   └── WeakDurabilityError     SQLite pragmas read back weaker than required
     ├── StoreError                  the database refused or failed (driver errors chained)
     │   ├── DatabaseLocked          another writer held the lock past busy_timeout
-    │   ├── DatabaseUnavailable     the database cannot be opened or reached
+    │   ├── DatabaseUnavailable     the database cannot be opened or reached, or went away
     │   ├── ConcurrentWrite         another writer advanced the run first
+    │   │   └── CheckpointLost      a queued (async / exit) checkpoint lost that race
     │   └── RunExists               a run with this id already exists
     ├── SchemaVersionError          the store's schema is older or newer than this code
     ├── CodecError                  a value cannot be encoded (raised at save time)
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 __all__ = [
     "AsyncWriteError",
+    "CheckpointLost",
     "CheckpointNotFound",
     "CodecError",
     "ConcurrentWrite",
@@ -84,15 +86,33 @@ class WeakDurabilityError(ConfigurationError):
 
 
 class StoreError(OnceOnlyError):
-    """The database refused or failed an operation; the driver error is chained."""
+    """The database refused or failed an operation; the driver error is chained.
+
+    Attributes:
+        transient: The failure passes by itself (a lock held past ``busy_timeout``, a
+            connection refused, lost or terminated, a serialization failure or deadlock):
+            the same call may succeed later. The store has retried it already, for its
+            :class:`~checkpoint.DatabaseRetry` budget, before raising it.
+        may_have_committed: The connection was lost while COMMIT was on its way: the
+            transaction may or may not have been written (it was not run again).
+    """
+
+    def __init__(
+        self, *args: object, transient: bool = False, may_have_committed: bool = False
+    ) -> None:
+        super().__init__(*args)
+        self.transient = transient
+        self.may_have_committed = may_have_committed
 
 
 class DatabaseLocked(StoreError):
-    """Another writer held the database lock for longer than ``busy_timeout``."""
+    """Another writer held the database lock for longer than ``busy_timeout``
+    (transient: retried by the store before it is raised)."""
 
 
 class DatabaseUnavailable(StoreError):
-    """The database cannot be opened or reached."""
+    """The database cannot be opened or reached, or the connection to it was lost
+    (transient, except a SQLite file that cannot be opened)."""
 
 
 class ConcurrentWrite(StoreError):
@@ -110,6 +130,27 @@ class ConcurrentWrite(StoreError):
             f"run {run_id!r} advanced past checkpoint {expected_seq} in another writer; "
             f"nothing was written. Take the run's lease before writing (Store.acquire_lease), "
             f"reload it with Store.load and apply the step again."
+        )
+
+
+class CheckpointLost(ConcurrentWrite):
+    """Checkpoints of this run that were queued (``async`` or ``exit`` durability) were
+    not written, because another writer advanced the run first. Raised once, by the next
+    save or load of that run; other runs in the same group commit were written.
+
+    Attributes:
+        run_id: The run.
+        expected_seq: The head the first lost checkpoint was built on.
+    """
+
+    def __init__(self, run_id: str, expected_seq: int) -> None:
+        self.run_id = run_id
+        self.expected_seq = expected_seq
+        StoreError.__init__(
+            self,
+            f"queued checkpoints of run {run_id!r} after checkpoint {expected_seq} were not "
+            f"written: another writer advanced the run first (its checkpoint stands). "
+            f"Reload the run with Store.load and apply the step again.",
         )
 
 

@@ -123,6 +123,8 @@ class CheckpointInfo:
         created_at: UNIX seconds.
         keyframe: Whether it stores the full state (else only changes since its parent).
         keyframe_seq: The keyframe a load of this checkpoint starts from.
+        digest: The checkpoint row's digest: what identifies this exact checkpoint (two
+            writers racing for one sequence number write different digests).
     """
 
     run_id: str
@@ -133,6 +135,7 @@ class CheckpointInfo:
     created_at: float
     keyframe: bool
     keyframe_seq: int
+    digest: bytes = field(default=b"", repr=False, compare=False)
 
 
 @dataclass(frozen=True)

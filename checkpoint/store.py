@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import queue
 import threading
@@ -22,16 +23,20 @@ from . import _delta, _schema
 from ._engine import (
     DRIVER_ERRORS,
     READ_ONLY,
+    begin,
     classify,
     configure,
     is_integrity_error,
+    lost_commit,
     make_engine,
     open_checks,
     translate,
 )
+from ._retry import DatabaseRetry, retried
 from .codec import Codec
 from .errors import (
     AsyncWriteError,
+    CheckpointLost,
     CheckpointNotFound,
     ConcurrentWrite,
     ConfigurationError,
@@ -44,6 +49,9 @@ from .errors import (
     StoreError,
 )
 from .failpoints import failpoint
+from .integrity import UNKEYED_LIMITS, RowKeys
+from .integrity import _check_seal as check
+from .integrity import _make_seal as seal
 from .records import (
     CheckpointInfo,
     Durability,
@@ -68,7 +76,12 @@ _HEAD_CACHE = 1024
 
 @dataclass
 class _Head:
-    """What this process knows of a run's latest checkpoint (a private copy)."""
+    """What this process knows of a run's latest checkpoint (a private copy).
+
+    ``run`` is the run row as of this checkpoint when this process read it together with
+    the checkpoint, or wrote the checkpoint itself (with the status, next step and handoff
+    written atomically with it); None when only the checkpoint was read.
+    """
 
     seq: int
     keyframe_seq: int
@@ -78,6 +91,8 @@ class _Head:
     schema_version: int
     state: dict[str, Any]
     lists: dict[str, _delta.ListChunks] = field(default_factory=dict)
+    info: CheckpointInfo | None = None
+    run: Run | None = None
 
 
 @dataclass
@@ -97,6 +112,8 @@ class _Pending:
     blobs: dict[bytes, bytes]  # hash -> stored form
     refs: set[bytes]
     run_values: dict[str, Any]
+    parent_digest: bytes = b""  # the checkpoint this one was built on (seq - 1)
+    reported: int = 0  # losses of its run reported when it was queued
     gen: int = 0  # async mode: the error generation it was queued in
 
     def info(self) -> CheckpointInfo:
@@ -109,6 +126,7 @@ class _Pending:
             created_at=self.created_at,
             keyframe=self.kind == _KEYFRAME,
             keyframe_seq=self.keyframe_seq,
+            digest=self.digest,
         )
 
 
@@ -152,6 +170,13 @@ class Store:
         create: Create the schema when the database has none (an older schema is never
             migrated implicitly; use :func:`migrate`).
         busy_timeout_ms: How long a SQLite writer waits for the lock.
+        integrity: The keys that seal runs, checkpoints and waits (see
+            :mod:`checkpoint.integrity`; a :class:`~ledger.Ledger` attaches its keyring's
+            on the store it is given). Without them nothing deliberate is detected:
+            :data:`~checkpoint.integrity.UNKEYED_LIMITS`.
+        retry: How long a call keeps retrying while the database is briefly unavailable
+            (a lock held past ``busy_timeout_ms``, a lost or refused connection, a
+            deadlock); see :class:`DatabaseRetry`. ``DatabaseRetry(budget_s=0)``: never.
     """
 
     def __init__(
@@ -164,7 +189,11 @@ class Store:
         migrations: StateMigrations | None = None,
         create: bool = True,
         busy_timeout_ms: int = 5000,
+        integrity: RowKeys | None = None,
+        retry: DatabaseRetry | None = None,
     ) -> None:
+        self.integrity = integrity
+        self.retry = retry or DatabaseRetry()
         try:
             self.durability = Durability(durability)
         except ValueError as exc:
@@ -189,6 +218,17 @@ class Store:
         self._writer: threading.Thread | None = None
         self._closed = False
         self._heads_stale = False
+        # Runs whose queued checkpoint lost a race to another writer (async / exit mode):
+        # their cached heads are dropped before the next use. Only that run is affected.
+        self._stale_runs: set[str] = set()
+        # Checkpoints this process queued and has not yet written, per run: while a run
+        # has some, this process's own view of the run is ahead of the database.
+        self._unwritten: dict[str, int] = {}
+        # Runs whose queued checkpoints were left out, with the head the first one was
+        # built on: the next save or load of that run raises CheckpointLost once.
+        self._lost: dict[str, int] = {}
+        self._reported: dict[str, int] = {}  # per run: how many losses were reported
+        self._count_lock = threading.Lock()
         self._gen = 0
         self._dead_gen = -1
         self._local = threading.local()
@@ -215,6 +255,8 @@ class Store:
         migrations: StateMigrations | None = None,
         create: bool = True,
         busy_timeout_ms: int = 5000,
+        integrity: RowKeys | None = None,
+        retry: DatabaseRetry | None = None,
     ) -> Store:
         """Open a store from a database URL (``sqlite:///path`` or
         ``postgresql+psycopg://...``).
@@ -235,6 +277,8 @@ class Store:
                 migrations=migrations,
                 create=create,
                 busy_timeout_ms=busy_timeout_ms,
+                integrity=integrity,
+                retry=retry,
             )
         except BaseException:
             engine.dispose()
@@ -252,6 +296,8 @@ class Store:
 
         Raises:
             AsyncWriteError: A background write failed (the engine is still disposed).
+            CheckpointLost: A queued checkpoint lost its race to another writer and
+                nobody was told yet (the engine is still disposed).
         """
         if self._closed:
             return
@@ -264,6 +310,23 @@ class Store:
                 self._writer.join()
             self._close_pinned()
             self.engine.dispose()
+        with self._count_lock:
+            lost, self._lost = self._lost, {}
+        for run_id, seq in sorted(lost.items()):
+            raise CheckpointLost(run_id, seq)
+
+    def _take_lost(self, run_id: str) -> None:
+        """Raise :class:`CheckpointLost` once for a run whose queued checkpoints were
+        left out (another writer won the race)."""
+        if self._lost:
+            with self._count_lock:
+                seq = self._lost.pop(run_id, None)
+            if seq is not None:
+                self._heads.pop(run_id, None)
+                with self._count_lock:
+                    # What was queued before this report and fails later is part of it.
+                    self._reported[run_id] = self._reported.get(run_id, 0) + 1
+                raise CheckpointLost(run_id, seq)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -273,6 +336,11 @@ class Store:
             # waiting on a barrier while holding it): forget heads it could not write.
             self._heads_stale = False
             self._heads.clear()
+        if self._stale_runs:
+            with self._count_lock:
+                stale, self._stale_runs = self._stale_runs, set()
+            for run_id in stale:
+                self._heads.pop(run_id, None)
         err = self._async_error
         if err is not None:
             self._async_error = None
@@ -299,13 +367,7 @@ class Store:
                 barrier.done.wait()
         elif self.durability is Durability.EXIT:
             with self._lock:
-                pending, self._pending = self._pending, []
-                if pending:
-                    try:
-                        self._write_batch(pending)
-                    except BaseException:
-                        self._heads.clear()
-                        raise
+                self._flush_locked_pending()
         self._check_open()
 
     # -- pinned connections -------------------------------------------------------------
@@ -367,12 +429,26 @@ class Store:
         """``"sqlite"`` or ``"postgresql"``."""
         return self._dialect
 
+    def attach_integrity(self, keys: RowKeys) -> None:
+        """Seal and check rows with ``keys`` from now on (a Ledger does this with its
+        keyring's row keys). Idempotent for the same keys.
+
+        Raises:
+            ConfigurationError: The store already has other keys.
+        """
+        if self.integrity is None:
+            self.integrity = keys
+        elif self.integrity.keys != keys.keys or self.integrity.current_id != keys.current_id:
+            raise ConfigurationError(
+                "this store already seals its rows with other keys; open one store per keyring"
+            )
+
     @property
     def param(self) -> str:
         """The DBAPI parameter marker of this database (``?`` or ``%s``)."""
         return self._sql.q
 
-    def transact(self, fn: Callable[[Any], T]) -> T:
+    def transact(self, fn: Callable[[Any], T], *, idempotent: bool = False) -> T:
         """Run ``fn(cursor)`` in a write transaction behind the write barrier.
 
         Every checkpoint saved before this call is committed in the same transaction as
@@ -382,15 +458,27 @@ class Store:
         statements are rolled back, the checkpoints still commit, and the error is
         re-raised here. Upper layers (the effects ledger) write through this method.
 
+        A transient failure (see :class:`DatabaseRetry`) that wrote nothing runs ``fn``
+        again in a new transaction, so ``fn`` must keep no effects outside its cursor that
+        a second run would repeat.
+
         Args:
             fn: Receives a DBAPI cursor (parameter marker :attr:`param`).
+            idempotent: Running ``fn`` again after its COMMIT may have gone through is
+                harmless: a lost COMMIT is retried too instead of raised.
 
         Returns:
             What ``fn`` returned.
 
         Raises:
-            StoreError: The transaction could not be committed (nothing of it is durable).
+            StoreError: The transaction could not be committed (nothing of it is durable),
+                or, with ``may_have_committed`` set, its COMMIT's answer was lost.
         """
+        return self.retry.call(
+            "run a transaction", lambda: self._transact(fn), idempotent=idempotent
+        )
+
+    def _transact(self, fn: Callable[[Any], T]) -> T:
         self._check_open()
         is_async = self.durability is Durability.ASYNC and self._writer is not None
         barrier = _Barrier(fn, waits=is_async)
@@ -401,26 +489,24 @@ class Store:
             # surfaces on the next call, never as this call's error.
         else:
             with self._lock:
-                pending: list[_Pending] = []
                 if self.durability is Durability.EXIT:
-                    pending, self._pending = self._pending, []
-                try:
-                    self._write_batch(pending, [barrier])
-                except BaseException:
-                    if pending:
-                        self._heads.clear()
-                    raise
+                    self._write_exit([barrier])
+                else:
+                    self._write_batch([], [barrier])
         if barrier.error is not None:
             raise barrier.error
         return barrier.result  # type: ignore[no-any-return]
 
+    @retried("read", idempotent=True)
     def read(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(cursor)`` in a read-only transaction (one snapshot on SQLite)."""
+        """Run ``fn(cursor)`` in a read-only transaction (one snapshot on SQLite); run
+        again on a transient failure."""
         self._check_open()
         with translate("read"), _RawTxn(self, write=False) as cur:
             return fn(cur)
 
     # -- runs --------------------------------------------------------------------------
+    @retried("create a run", idempotent=False)
     def create_run(
         self,
         flow: str,
@@ -459,9 +545,10 @@ class Store:
             "created_at": now,
             "updated_at": now,
         }
+        values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
         try:
             failpoint("checkpoint.run.write")
-            with translate("create a run"), self.engine.begin() as conn:
+            with translate("create a run"), begin(self.engine) as conn:
                 conn.execute(_schema.runs.insert().values(**values))
                 if key_run is not None and key_run != rid:
                     conn.execute(
@@ -475,23 +562,173 @@ class Store:
             raise
         return self._run_from_row(values)
 
+    @retried("start a run", idempotent=False)
+    def start_run(
+        self,
+        flow: str,
+        state: Mapping[str, Any],
+        *,
+        run_id: str | None = None,
+        step: str = "start",
+        code_version: str = "0",
+        state_version: int = 1,
+        next_step: str | None = None,
+        handoff: Handoff | None = None,
+        status: RunStatus = RunStatus.RUNNING,
+        source: Source | str = Source.STEP,
+        key_run: str | None = None,
+        also: Callable[[Any], Any] | None = None,
+    ) -> tuple[Run, CheckpointInfo]:
+        """Create a run and its first checkpoint in **one** transaction (durable on return,
+        whatever the durability mode): a run never exists without its state.
+
+        Args:
+            flow, run_id, code_version, state_version, next_step, handoff: As in
+                :meth:`create_run`.
+            state: The first checkpoint's state (validated before anything is written).
+            step: The first checkpoint's step name.
+            status: The run's status once started.
+            source: Who wrote the first checkpoint.
+            key_run: The run whose effect keys this run shares (a fork's origin). It must
+                exist when this commits (checked in the same transaction, so a fork never
+                outlives its origin's removal by retention).
+            also: More work ``also(cursor)`` for the same transaction (a fork's wait).
+
+        Raises:
+            RunExists: A run with ``run_id`` exists already; nothing was written.
+            RunNotFound: ``key_run`` does not exist (any more); nothing was written.
+            CodecError: A value cannot be encoded; nothing was written.
+        """
+        with self._lock:
+            self._check_open()
+            rid = run_id or uuid.uuid4().hex
+            now = time.time()
+            base = Run(
+                run_id=rid,
+                flow=flow,
+                code_version=code_version,
+                state_version=state_version,
+                status=RunStatus.WAITING,
+                next_step=next_step,
+                lease_owner=None,
+                lease_expires_at=None,
+                handoff=handoff or Handoff(),
+                head_seq=None,
+                created_at=now,
+                updated_at=now,
+            )
+            ops = _delta.diff({}, state, self.codec)
+            pending, head = self._build(
+                rid, None, ops, step, next_step, status, source, state_version, handoff, base
+            )
+            q = self._sql.q
+            pg = self._dialect == "postgresql"
+
+            def txn(cur: Any) -> None:
+                if key_run is not None and key_run != rid:
+                    # The origin must exist now, and stay while this commits: on
+                    # PostgreSQL a share lock makes a concurrent retention delete of it
+                    # wait (and then find this run's link); SQLite writers are serial.
+                    lock = " FOR SHARE" if pg else ""
+                    cur.execute(f"SELECT 1 FROM oo_runs WHERE run_id = {q}{lock}", (key_run,))
+                    if cur.fetchone() is None:
+                        raise RunNotFound(key_run)
+                values = {
+                    "run_id": rid,
+                    "flow": flow,
+                    "code_version": code_version,
+                    "state_version": state_version,
+                    "status": RunStatus.WAITING.value,
+                    "next_step": next_step,
+                    "lease_owner": None,
+                    "lease_expires_at": None,
+                    "handoff": self._encode_handoff(base.handoff),
+                    "head_seq": None,
+                    "created_at": now,
+                    "updated_at": now,
+                }
+                values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
+                try:
+                    cur.execute(
+                        f"INSERT INTO oo_runs ({', '.join(_RUN_COLS)}) VALUES "
+                        f"({', '.join([q] * len(_RUN_COLS))})",
+                        tuple(values[c] for c in _RUN_COLS),
+                    )
+                except DRIVER_ERRORS as exc:
+                    if is_integrity_error(exc):
+                        raise RunExists(rid) from exc
+                    raise
+                if key_run is not None and key_run != rid:
+                    cur.execute(
+                        f"INSERT INTO oo_run_links (run_id, key_run, created_at) "
+                        f"VALUES ({q}, {q}, {q})",
+                        (rid, key_run, now),
+                    )
+                self._write_pending(cur, pending)
+                if also is not None:
+                    also(cur)
+
+            failpoint("checkpoint.run.write")
+            try:
+                with translate("start a run"), _RawTxn(self, write=True) as cur:
+                    txn(cur)
+                    failpoint("checkpoint.commit.before")
+            except BaseException:
+                self._heads.pop(rid, None)
+                raise
+            failpoint("checkpoint.commit.after")
+            self._remember(rid, head)
+            assert head.run is not None
+            return head.run, pending.info()
+
+    @retried("read a run", idempotent=True)
     def get_run(self, run_id: str) -> Run:
-        """The stored run.
+        """The stored run (its seal checked, with integrity keys).
 
         Raises:
             RunNotFound: No such run.
+            CorruptRecord: The run row fails its seal.
         """
         self._check_open()
-        with translate("read a run"), self._reader() as conn:
-            row = (
-                conn.execute(select(_schema.runs).where(_schema.runs.c.run_id == run_id))
-                .mappings()
-                .first()
-            )
-        if row is None:
+        run = self.read(lambda cur: self.read_run_in(cur, run_id))
+        if run is None:
             raise RunNotFound(run_id)
-        return self._run_from_row(row)
+        return run
 
+    def read_run_in(self, cur: Any, run_id: str, *, lock: bool = False) -> Run | None:
+        """The run row read through ``cur`` (in the caller's transaction), its seal
+        checked; None when there is no such run. ``lock``: ``FOR UPDATE`` on PostgreSQL.
+
+        Raises:
+            CorruptRecord: The run row fails its seal.
+        """
+        if lock and self._dialect != "sqlite":
+            # Lock first, then read row and head in a statement of their own: a locking
+            # join re-reads only the locked row after a wait (READ COMMITTED), and would
+            # pair the new head with the old head's digest.
+            q = self._sql.q
+            cur.execute(f"SELECT 1 FROM oo_runs WHERE run_id = {q} FOR UPDATE", (run_id,))
+        cur.execute(self._sql.run_row, (run_id,))
+        found = cur.fetchone()
+        if found is None:
+            return None
+        return self._checked_run(found)
+
+    def _checked_run(self, found: Sequence[Any]) -> Run:
+        n = len(_RUN_COLS)
+        values = dict(zip(_RUN_COLS, found[:n], strict=True))
+        digest = found[n]
+        check(
+            self.integrity,
+            "runs",
+            _run_parts(values, None if digest is None else bytes(digest)),
+            None if values["seal"] is None else bytes(values["seal"]),
+            what=f"run {values['run_id']!r}",
+            run_id=values["run_id"],
+        )
+        return self._run_from_row(values)
+
+    @retried("list runs", idempotent=True)
     def list_runs(
         self,
         *,
@@ -499,20 +736,35 @@ class Store:
         flow: str | None = None,
         limit: int | None = None,
     ) -> list[Run]:
-        """Runs, most recently updated first, optionally filtered."""
-        self._check_open()
-        r = _schema.runs
-        q = select(r).order_by(r.c.updated_at.desc(), r.c.run_id)
-        if status is not None:
-            q = q.where(r.c.status == RunStatus(status).value)
-        if flow is not None:
-            q = q.where(r.c.flow == flow)
-        if limit is not None:
-            q = q.limit(limit)
-        with translate("list runs"), self._reader() as conn:
-            rows = conn.execute(q).mappings().all()
-        return [self._run_from_row(row) for row in rows]
+        """Runs, most recently updated first, optionally filtered (seals checked).
 
+        Raises:
+            CorruptRecord: A run row fails its seal.
+        """
+        self._check_open()
+        q = self._sql.q
+        where: list[str] = []
+        params: list[Any] = []
+        if status is not None:
+            where.append(f"r.status = {q}")
+            params.append(RunStatus(status).value)
+        if flow is not None:
+            where.append(f"r.flow = {q}")
+            params.append(flow)
+        sql = self._sql.runs_rows
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY r.updated_at DESC, r.run_id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+
+        def scan(cur: Any) -> list[Any]:
+            cur.execute(sql, params)
+            return list(cur.fetchall())
+
+        return [self._checked_run(row) for row in self.read(scan)]
+
+    @retried("update a run", idempotent=True)
     def update_run(
         self,
         run_id: str,
@@ -521,14 +773,22 @@ class Store:
         next_step: Any = _UNSET,
         handoff: Handoff | None = None,
         code_version: str | None = None,
+        expect_status: RunStatus | str | None = None,
+        expect_head: int | None = None,
     ) -> Run:
         """Change a run's status, next step, handoff note or code version.
 
+        Args:
+            expect_status: Change it only if the run still has this status.
+            expect_head: Change it only if the run's head is still this checkpoint.
+
         Raises:
             RunNotFound: No such run.
+            ConcurrentWrite: An expectation does not hold (another writer changed the
+                run); nothing was changed.
         """
         self._check_open()
-        values: dict[str, Any] = {"updated_at": time.time()}
+        values: dict[str, Any] = {}
         if status is not None:
             values["status"] = RunStatus(status).value
         if next_step is not _UNSET:
@@ -537,14 +797,55 @@ class Store:
             values["handoff"] = self._encode_handoff(handoff)
         if code_version is not None:
             values["code_version"] = code_version
-        r = _schema.runs
-        failpoint("checkpoint.run.write")
-        with translate("update a run"), self.engine.begin() as conn:
-            res = conn.execute(update(r).where(r.c.run_id == run_id).values(**values))
-            if res.rowcount == 0:
+
+        def txn(cur: Any) -> None:
+            run = self.read_run_in(cur, run_id, lock=True)
+            if run is None:
                 raise RunNotFound(run_id)
+            if (expect_status is not None and run.status is not RunStatus(expect_status)) or (
+                expect_head is not None and run.head_seq != expect_head
+            ):
+                raise ConcurrentWrite(run_id, -1 if expect_head is None else expect_head)
+            self._update_run_in(cur, run, values)
+
+        failpoint("checkpoint.run.write")
+        with translate("update a run"), _RawTxn(self, write=True) as cur:
+            txn(cur)
+        with self._lock:
+            self._heads.pop(run_id, None)  # the cached run row is no longer current
         return self.get_run(run_id)
 
+    def _update_run_in(self, cur: Any, run: Run, changes: Mapping[str, Any]) -> None:
+        """Change sealed columns of a run row read (and checked) in this transaction,
+        sealing the result (the head stays: its digest is read again here)."""
+        q = self._sql.q
+        cur.execute(
+            f"SELECT digest FROM oo_checkpoints WHERE run_id = {q} AND seq = {q}",
+            (run.run_id, -1 if run.head_seq is None else run.head_seq),
+        )
+        found = cur.fetchone()
+        values = {
+            "run_id": run.run_id,
+            "flow": run.flow,
+            "code_version": run.code_version,
+            "state_version": run.state_version,
+            "status": run.status.value,
+            "next_step": run.next_step,
+            "handoff": self._encode_handoff(run.handoff),
+            "head_seq": run.head_seq,
+            **changes,
+        }
+        values["seal"] = seal(
+            self.integrity, "runs", _run_parts(values, None if found is None else bytes(found[0]))
+        )
+        cols = ["status", "next_step", "handoff", "code_version", "seal"]
+        sets = ", ".join([f"{c} = {q}" for c in cols] + [f"updated_at = {q}"])
+        cur.execute(
+            f"UPDATE oo_runs SET {sets} WHERE run_id = {q}",
+            [*(values[c] for c in cols), time.time(), run.run_id],
+        )
+
+    @retried("take a lease", idempotent=True)
     def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> Run:
         """Take (or renew) the run's lease for ``ttl_s`` seconds.
 
@@ -558,7 +859,7 @@ class Store:
         now = time.time()
         r = _schema.runs
         failpoint("checkpoint.run.write")
-        with translate("take a lease"), self.engine.begin() as conn:
+        with translate("take a lease"), begin(self.engine) as conn:
             res = conn.execute(
                 update(r)
                 .where(r.c.run_id == run_id)
@@ -580,12 +881,13 @@ class Store:
                 raise LeaseHeld(run_id, str(row[0]), float(row[1]))
         return self.get_run(run_id)
 
+    @retried("release a lease", idempotent=True)
     def release_lease(self, run_id: str, owner: str) -> bool:
         """Give up the lease if ``owner`` holds it. Returns whether it was held."""
         self._check_open()
         r = _schema.runs
         failpoint("checkpoint.run.write")
-        with translate("release a lease"), self.engine.begin() as conn:
+        with translate("release a lease"), begin(self.engine) as conn:
             res = conn.execute(
                 update(r)
                 .where(and_(r.c.run_id == run_id, r.c.lease_owner == owner))
@@ -634,6 +936,7 @@ class Store:
         """
         with self._lock:
             self._check_open()
+            self._take_lost(run_id)
             head = self._head(run_id)
             _check_parent(run_id, head, parent)
             ops = _delta.diff(head.state if head else {}, state, self.codec)
@@ -670,6 +973,7 @@ class Store:
         """
         with self._lock:
             self._check_open()
+            self._take_lost(run_id)
             head = self._head(run_id)
             _check_parent(run_id, head, parent)
             current = head.state if head else {}
@@ -706,6 +1010,42 @@ class Store:
         schema_version: int | None,
         handoff: Handoff | None,
     ) -> CheckpointInfo:
+        base = self.get_run(run_id) if head is None else None
+        pending, new_head = self._build(
+            run_id, head, ops, step, next_step, status, source, schema_version, handoff, base
+        )
+        self._remember(run_id, new_head)
+        if self.durability is Durability.SYNC:
+            try:
+                self._write_batch([pending], isolate=False)
+            except BaseException:
+                self._heads.pop(run_id, None)
+                raise
+            return pending.info()
+        with self._count_lock:
+            self._unwritten[run_id] = self._unwritten.get(run_id, 0) + 1
+        if self.durability is Durability.ASYNC:
+            self._queue.put(pending)
+        else:
+            self._pending.append(pending)
+        return pending.info()
+
+    def _build(
+        self,
+        run_id: str,
+        head: _Head | None,
+        ops: dict[str, _delta.Op],
+        step: str,
+        next_step: Any,
+        status: RunStatus | str | None,
+        source: Source | str,
+        schema_version: int | None,
+        handoff: Handoff | None,
+        base: Run | None,
+    ) -> tuple[_Pending, _Head]:
+        """Encode the checkpoint that applies ``ops`` on top of ``head`` (None: the run's
+        first, on top of the run row ``base``); returns it and the advanced head (the
+        cached head object itself, changed in place)."""
         src = Source(source).value
         run_values: dict[str, Any] = {}
         if handoff is not None:
@@ -718,12 +1058,14 @@ class Store:
         # fails here with nothing written and the cached head untouched.
         enc = _delta.encode_delta(self.codec, ops)
         if head is None:
-            run = self.get_run(run_id)
-            version = schema_version or run.state_version
-            new_head = _Head(-1, 0, 0, 0, 0, version, {})
+            assert base is not None
+            version = schema_version or base.state_version
+            new_head = _Head(-1, 0, 0, 0, 0, version, {}, run=base)
+            parent_digest = b""
         else:
             version = schema_version or head.schema_version
             new_head = head
+            parent_digest = b"" if head.info is None else head.info.digest
         run_values["state_version"] = version
         seq = new_head.seq + 1
         policy = self.keyframes
@@ -763,10 +1105,23 @@ class Store:
             blobs={h: _delta.pack(raw) for h, raw in enc.blobs.items()},
             refs=enc.refs,
             run_values=run_values,
+            parent_digest=parent_digest,
+            reported=self._reported.get(run_id, 0),
             gen=self._gen,
         )
         new_head.seq = seq
         new_head.schema_version = version
+        new_head.info = pending.info()
+        if new_head.run is not None:
+            new_head.run = dataclasses.replace(
+                new_head.run,
+                status=RunStatus(status) if status is not None else new_head.run.status,
+                next_step=new_head.run.next_step if next_step is _UNSET else next_step,
+                handoff=new_head.run.handoff if handoff is None else handoff,
+                state_version=version,
+                head_seq=seq,
+                updated_at=created,
+            )
         if keyframe:
             new_head.keyframe_seq = seq
             new_head.deltas = 0
@@ -775,61 +1130,53 @@ class Store:
         else:
             new_head.deltas += 1
             new_head.delta_bytes += len(enc.raw)
-        self._remember(run_id, new_head)
-        if self.durability is Durability.SYNC:
-            try:
-                self._write_batch([pending])
-            except BaseException:
-                self._heads.pop(run_id, None)
-                raise
-        elif self.durability is Durability.ASYNC:
-            self._queue.put(pending)
-        else:
-            self._pending.append(pending)
-        return pending.info()
+        return pending, new_head
 
+    @retried("write checkpoints", idempotent=False)
     def _write_batch(
-        self, batch: Sequence[_Pending], participants: Sequence[_Barrier] = ()
-    ) -> None:
+        self,
+        batch: Sequence[_Pending],
+        participants: Sequence[_Barrier] = (),
+        *,
+        isolate: bool = True,
+    ) -> list[_Pending]:
         """Write checkpoints, then run participants' work, in one durable commit.
+
+        A group commit isolates its members: each queued checkpoint is written in its
+        own savepoint, so one that lost a race to another writer (ConcurrentWrite) is
+        left out and the others, and every participant's work, still commit. Only a
+        synchronous save (``isolate=False``: its caller waits for it) gets its
+        ConcurrentWrite raised.
 
         The hot path uses the pooled DBAPI connection with fixed SQL: one statement per
         row, no ORM, no per-call statement compilation.
+
+        Returns:
+            The checkpoints that were left out (a lost race).
         """
-        sql = self._sql
+        for part in participants:
+            part.error = None  # from an earlier attempt of this batch
+        lost: list[_Pending] = []
+        lost_runs: set[str] = set()
         with translate("write checkpoints"), _RawTxn(self, write=True) as cur:
-            for p in batch:
-                if p.blobs:
-                    cur.executemany(sql.ins_blob, [(h, len(d), d) for h, d in p.blobs.items()])
-                if p.refs:
-                    cur.executemany(sql.ins_ref, [(p.run_id, h) for h in p.refs])
+            for i, p in enumerate(batch):
+                if p.run_id in lost_runs:
+                    # Built on a checkpoint of this batch that was left out: left out too.
+                    lost.append(p)
+                    continue
+                if not isolate:
+                    self._write_pending(cur, p)
+                    continue
+                cur.execute(f"SAVEPOINT oo_c{i}")
                 try:
-                    cur.execute(
-                        sql.ins_ckpt,
-                        (
-                            p.run_id,
-                            p.seq,
-                            p.kind,
-                            p.keyframe_seq,
-                            p.step,
-                            p.source,
-                            p.schema_version,
-                            p.created_at,
-                            p.body,
-                            p.digest,
-                        ),
-                    )
-                except DRIVER_ERRORS as exc:
-                    if is_integrity_error(exc):
-                        raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
-                    raise
-                cols = sorted(p.run_values)
-                params = [p.seq, p.created_at, *(p.run_values[c] for c in cols), p.run_id]
-                if p.seq > 0:
-                    params.append(p.seq - 1)
-                cur.execute(sql.advance(tuple(cols), first=p.seq == 0), params)
-                if cur.rowcount != 1:
-                    raise ConcurrentWrite(p.run_id, p.seq - 1)
+                    self._write_pending(cur, p)
+                except (ConcurrentWrite, CorruptRecord):
+                    # A lost race, or a run row that fails its seal (its next load says
+                    # so): this member alone is left out.
+                    cur.execute(f"ROLLBACK TO SAVEPOINT oo_c{i}")
+                    lost.append(p)
+                    lost_runs.add(p.run_id)
+                cur.execute(f"RELEASE SAVEPOINT oo_c{i}")
             solo = not batch and len(participants) == 1
             for i, part in enumerate(participants):
                 if part.fn is None:
@@ -853,6 +1200,107 @@ class Store:
                 cur.execute(f"RELEASE SAVEPOINT oo_p{i}")
             failpoint("checkpoint.commit.before")
         failpoint("checkpoint.commit.after")
+        return lost
+
+    def _write_pending(self, cur: Any, p: _Pending) -> None:
+        """Write one checkpoint and advance its run's head, compare-and-set on the parent:
+        the run's head must still be the exact checkpoint this one was built on (its
+        sequence number *and* its digest), else :class:`ConcurrentWrite`."""
+        sql = self._sql
+        keys = self.integrity
+        # Without keys a run row is left unsealed (never with a seal that no longer
+        # matches it): a keyed reader then says plainly that it carries no seal.
+        run_values = {**p.run_values, "seal": None} if keys is None else self._resealed(cur, p)
+        if p.blobs:
+            cur.executemany(sql.ins_blob, [(h, len(d), d) for h, d in p.blobs.items()])
+        if p.refs:
+            cur.executemany(sql.ins_ref, [(p.run_id, h) for h in p.refs])
+        ckpt_seal = seal(
+            keys,
+            "checkpoints",
+            _ckpt_parts(
+                p.run_id,
+                p.seq,
+                p.kind,
+                p.keyframe_seq,
+                p.schema_version,
+                p.step,
+                p.source,
+                p.created_at,
+                p.digest,
+            ),
+        )
+        try:
+            cur.execute(
+                sql.ins_ckpt,
+                (
+                    p.run_id,
+                    p.seq,
+                    p.kind,
+                    p.keyframe_seq,
+                    p.step,
+                    p.source,
+                    p.schema_version,
+                    p.created_at,
+                    p.body,
+                    p.digest,
+                    ckpt_seal,
+                ),
+            )
+        except DRIVER_ERRORS as exc:
+            if is_integrity_error(exc):
+                raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
+            raise
+        cols = sorted(run_values)
+        params: list[Any] = [p.seq, p.created_at, *(run_values[c] for c in cols), p.run_id]
+        checked = p.seq > 0 and bool(p.parent_digest)
+        if p.seq > 0:
+            params.append(p.seq - 1)
+            if checked:
+                params.extend([p.run_id, p.seq - 1, p.parent_digest])
+        cur.execute(sql.advance(tuple(cols), first=p.seq == 0, parent=checked), params)
+        if cur.rowcount != 1:
+            raise ConcurrentWrite(p.run_id, p.seq - 1)
+
+    def _resealed(self, cur: Any, p: _Pending) -> dict[str, Any]:
+        """The run columns a checkpoint writes, with the run's new seal: the run row is
+        read (and its seal checked against the parent) in the writing transaction."""
+        run = self.read_run_in(cur, p.run_id, lock=True)
+        expected_head = None if p.seq == 0 else p.seq - 1
+        if run is None or run.head_seq != expected_head:
+            raise ConcurrentWrite(p.run_id, p.seq - 1)
+        values: dict[str, Any] = {
+            "run_id": run.run_id,
+            "flow": run.flow,
+            "code_version": run.code_version,
+            "state_version": run.state_version,
+            "status": run.status.value,
+            "next_step": run.next_step,
+            "handoff": self._encode_handoff(run.handoff),
+            **p.run_values,
+            "head_seq": p.seq,
+        }
+        out = dict(p.run_values)
+        out["handoff"] = values["handoff"]
+        out["seal"] = seal(self.integrity, "runs", _run_parts(values, p.digest))
+        return out
+
+    def _written(self, batch: Sequence[_Pending], lost: Sequence[_Pending]) -> None:
+        """Bookkeeping after queued checkpoints were written (or left out): forget the
+        cached heads of runs whose checkpoint lost a race. Called by whichever thread
+        wrote them; takes only the small counting lock."""
+        with self._count_lock:
+            self._stale_runs.update(p.run_id for p in lost)
+            for p in lost:
+                if p.reported < self._reported.get(p.run_id, 0):
+                    continue  # queued before a loss of its run was reported: said already
+                self._lost[p.run_id] = min(self._lost.get(p.run_id, p.seq - 1), p.seq - 1)
+            for p in batch:
+                n = self._unwritten.get(p.run_id, 0) - 1
+                if n > 0:
+                    self._unwritten[p.run_id] = n
+                else:
+                    self._unwritten.pop(p.run_id, None)
 
     def _write_loop(self) -> None:
         while True:
@@ -882,9 +1330,10 @@ class Store:
             live = [p for p in batch if p.gen > self._dead_gen]
             if len(live) < len(batch):
                 self._heads_stale = True
+            lost: list[_Pending] = []
             if live or work:
                 try:
-                    self._write_batch(live, work)
+                    lost = self._write_batch(live, work)
                 except BaseException as exc:  # noqa: BLE001  (surfaced on the next call)
                     for b in work:
                         b.error = exc
@@ -892,6 +1341,7 @@ class Store:
                         self._dead_gen = max(p.gen for p in live)
                         self._async_error = exc
                         self._heads_stale = True
+            self._written(batch, lost)
             for b in barriers:
                 b.done.set()
             if stop:
@@ -918,8 +1368,22 @@ class Store:
 
     def _flush_locked_pending(self) -> None:
         if self.durability is Durability.EXIT and self._pending:
-            pending, self._pending = self._pending, []
-            self._write_batch(pending)
+            self._write_exit([])
+
+    def _write_exit(self, participants: Sequence[_Barrier]) -> None:
+        """``exit`` mode: write every pending checkpoint (and ``participants``' work) in
+        one transaction, under the lock."""
+        pending, self._pending = self._pending, []
+        try:
+            lost = self._write_batch(pending, participants)
+        except BaseException:
+            if pending:
+                self._heads.clear()
+            self._written(pending, [])
+            raise
+        self._written(pending, lost)
+        for p in lost:
+            self._heads.pop(p.run_id, None)
 
     def _remember(self, run_id: str, head: _Head) -> None:
         self._heads[run_id] = head
@@ -957,6 +1421,8 @@ class Store:
         with self._lock:
             self._check_open()
             self.flush()
+            if seq is None:
+                self._take_lost(run_id)
             snap, head = self._load(run_id, seq, lazy=lazy)
             if seq is None:
                 self._remember(run_id, head)
@@ -977,6 +1443,97 @@ class Store:
             self.flush()
             return Snapshot(_delta.private_copy(upgraded), info)
 
+    def load_run(
+        self,
+        run_id: str,
+        *,
+        lazy: bool = False,
+        migrations: StateMigrations | None = None,
+    ) -> tuple[Run, Snapshot | None]:
+        """The run row and its latest checkpoint as **one consistent snapshot**.
+
+        Status, next step, head and state all come from the same moment: read together in
+        one statement from the database, or, while this process still has checkpoints of
+        the run queued (``async`` / ``exit`` durability), this process's own view as of
+        its last checkpoint (ahead of the database, and what the database will hold once
+        they are written; a queued checkpoint that loses a race to another writer is
+        dropped and the next call reads the database again). A caller that acts on the
+        snapshot fences its effects on ``(head seq, digest)`` of the returned checkpoint.
+
+        Args:
+            run_id: The run.
+            lazy: As in :meth:`load`.
+            migrations: As in :meth:`load`: older state is upgraded and the upgrade is
+                recorded as a checkpoint (source ``migration``) before it is returned.
+
+        Returns:
+            The run and its latest checkpoint (None when it has none yet).
+
+        Raises:
+            RunNotFound: No such run.
+            CorruptRecord: A row or blob failed its check; nothing is returned.
+            StateVersionError: As in :meth:`load`.
+        """
+        with self._lock:
+            self._check_open()
+            self._take_lost(run_id)
+            head = self._heads.get(run_id)
+            with self._count_lock:
+                ahead = self._unwritten.get(run_id, 0) > 0 and run_id not in self._stale_runs
+            if ahead and head is not None and head.run is not None and head.info is not None:
+                run = head.run
+                snap = Snapshot(_delta.private_copy(head.state), head.info)
+            else:
+                run, loaded = self._load_run_rows(run_id, lazy=lazy)
+                if loaded is None:
+                    return run, None
+                snap, head = loaded
+                head.run = run
+                self._remember(run_id, head)
+            mig = migrations or self.migrations
+            if mig is None or snap.info.schema_version == mig.current:
+                return run, snap
+            plain = Snapshot({k: _delta.plain(v) for k, v in snap.state.items()}, snap.info)
+            upgraded = _upgrade(run_id, plain, mig)
+            info = self.save(
+                run_id,
+                upgraded,
+                step=snap.info.step,
+                source=Source.MIGRATION,
+                schema_version=mig.current,
+                parent=snap.info.seq,
+            )
+            self.flush()
+            run = dataclasses.replace(run, head_seq=info.seq, state_version=mig.current)
+            return run, Snapshot(_delta.private_copy(upgraded), info)
+
+    @retried("load a run", idempotent=True)
+    def _load_run_rows(
+        self, run_id: str, *, lazy: bool
+    ) -> tuple[Run, tuple[Snapshot, _Head] | None]:
+        """Read the run row and its head checkpoint's rows in one statement (one
+        snapshot on both databases), then its blobs in the same read transaction (blobs
+        are immutable and referenced, so they cannot change under it)."""
+        with translate("load a run"), _RawTxn(self, write=False) as cur:
+            cur.execute(self._sql.run_and_head, (run_id,))
+            found = cur.fetchall()
+            if not found:
+                raise RunNotFound(run_id)
+            n = len(_RUN_COLS)
+            rows = [_Row(*r[n:]) for r in found if r[n] is not None]
+            head_digest = rows[-1].digest if rows else None
+            run = self._checked_run([*found[0][:n], head_digest])
+            if run.head_seq is None:
+                return run, None
+            if not rows:
+                raise CorruptRecord(
+                    "the checkpoint, or the keyframe it depends on, is missing",
+                    run_id=run_id,
+                    seq=int(run.head_seq),
+                )
+            return run, self._materialise(cur, run_id, rows, int(run.head_seq), lazy=lazy)
+
+    @retried("read a run", idempotent=True)
     def _load_head_seq(self, run_id: str) -> int | None:
         r = _schema.runs
         with translate("read a run"), self._reader() as conn:
@@ -988,6 +1545,7 @@ class Store:
     def _reader(self) -> Any:
         return self.engine.connect().execution_options(**{READ_ONLY: True})
 
+    @retried("load a checkpoint", idempotent=True)
     def _load(self, run_id: str, seq: int | None, *, lazy: bool) -> tuple[Snapshot, _Head]:
         sql = self._sql
         with translate("load a checkpoint"), _RawTxn(self, write=False) as cur:
@@ -1015,11 +1573,22 @@ class Store:
             target = rows[-1].seq
             if seq is not None and target != seq:
                 raise CheckpointNotFound(run_id, seq)
-            bodies, raw_sizes = self._verify_rows(run_id, rows)
-            wanted: set[bytes] = set()
-            for body in bodies:
-                wanted |= _delta.blob_refs_of(body, chunks=not lazy)
-            blob_values, blob_sizes = self._read_blobs(cur, run_id, target, wanted)
+            return self._materialise(cur, run_id, rows, target, lazy=lazy)
+
+    def _materialise(
+        self, cur: Any, run_id: str, rows: Sequence[_Row], target: int, *, lazy: bool
+    ) -> tuple[Snapshot, _Head]:
+        """Verify a keyframe and its deltas up to ``target`` and build the state (blobs
+        are read through ``cur``, in the caller's read transaction)."""
+        if rows[-1].seq != target:
+            raise CorruptRecord(
+                "the run's head checkpoint is missing", run_id=run_id, seq=int(target)
+            )
+        bodies, raw_sizes = self._verify_rows(run_id, rows)
+        wanted: set[bytes] = set()
+        for body in bodies:
+            wanted |= _delta.blob_refs_of(body, chunks=not lazy)
+        blob_values, blob_sizes = self._read_blobs(cur, run_id, target, wanted)
         first = rows[0]
         if first.kind != _KEYFRAME or first.seq != rows[-1].keyframe_seq:
             raise CorruptRecord(
@@ -1055,6 +1624,7 @@ class Store:
             created_at=float(last.created_at),
             keyframe=last.kind == _KEYFRAME,
             keyframe_seq=int(last.keyframe_seq),
+            digest=bytes(last.digest),
         )
         # Canonical (uncompressed) sizes, as the writer counts them: the keyframe policy
         # behaves the same whether or not the process was restarted.
@@ -1068,13 +1638,24 @@ class Store:
             schema_version=info.schema_version,
             state=state,
             lists=lists,
+            info=info,
         )
         return Snapshot(_delta.private_copy(state), info), head
 
     def _verify_rows(self, run_id: str, rows: Sequence[_Row]) -> tuple[list[Any], list[int]]:
-        """Check every row against its digest, then decode all bodies in one pass."""
+        """Check every row against its seal (with integrity keys) and its digest, before
+        anything of it is decoded; then decode all bodies in one pass."""
         raws = []
         for row in rows:
+            check(
+                self.integrity,
+                "checkpoints",
+                row.seal_parts(run_id),
+                None if row.seal is None else bytes(row.seal),
+                what=f"checkpoint {row.seq} of run {run_id!r}",
+                run_id=run_id,
+                seq=row.seq,
+            )
             try:
                 raw = _delta.unpack(row.body)
             except CorruptRecord as exc:
@@ -1119,8 +1700,12 @@ class Store:
                     "lists before closing it, or load with lazy=False"
                 )
             wanted = {bytes.fromhex(h) for h in hexes}
-            with translate("read list chunks"), _RawTxn(self, write=False) as cur:
-                values, _ = self._read_blobs(cur, run_id, None, wanted)
+
+            def read() -> dict[bytes, Any]:
+                with translate("read list chunks"), _RawTxn(self, write=False) as cur:
+                    return self._read_blobs(cur, run_id, None, wanted)[0]
+
+            values = self.retry.call("read list chunks", read, idempotent=True)
             return {h.hex(): v for h, v in values.items()}
 
         return fetch
@@ -1166,6 +1751,7 @@ class Store:
         except CorruptRecord as exc:
             raise type(exc)(exc.detail, run_id=run_id, seq=seq, blob=h.hex()) from exc
 
+    @retried("read history", idempotent=True)
     def history(self, run_id: str, *, limit: int | None = None) -> list[CheckpointInfo]:
         """Metadata of a run's checkpoints, oldest first (the last ``limit`` if given).
 
@@ -1183,6 +1769,8 @@ class Store:
             c.c.source,
             c.c.schema_version,
             c.c.created_at,
+            c.c.digest,
+            c.c.seal,
         ).where(c.c.run_id == run_id)
         q = q.order_by(c.c.seq.desc()).limit(limit) if limit is not None else q.order_by(c.c.seq)
         with translate("read history"), self._reader() as conn:
@@ -1191,6 +1779,26 @@ class Store:
                 r = _schema.runs
                 if conn.execute(select(r.c.run_id).where(r.c.run_id == run_id)).first() is None:
                     raise RunNotFound(run_id)
+        for row in rows:
+            check(
+                self.integrity,
+                "checkpoints",
+                _ckpt_parts(
+                    run_id,
+                    row.seq,
+                    row.kind,
+                    row.keyframe_seq,
+                    row.schema_version,
+                    row.step,
+                    row.source,
+                    row.created_at,
+                    bytes(row.digest),
+                ),
+                None if row.seal is None else bytes(row.seal),
+                what=f"checkpoint {row.seq} of run {run_id!r}",
+                run_id=run_id,
+                seq=int(row.seq),
+            )
         infos = [
             CheckpointInfo(
                 run_id=run_id,
@@ -1201,6 +1809,7 @@ class Store:
                 created_at=float(row.created_at),
                 keyframe=row.kind == _KEYFRAME,
                 keyframe_seq=int(row.keyframe_seq),
+                digest=bytes(row.digest),
             )
             for row in rows
         ]
@@ -1208,8 +1817,11 @@ class Store:
         return infos
 
     def verify_integrity(self) -> tuple[int, list[str]]:
-        """Check every stored blob against its hash and every checkpoint row against its
-        digest, without loading any state.
+        """Check every stored blob against its hash, every checkpoint row against its
+        digest, and (with integrity keys) every run, checkpoint and wait against its
+        seal, and every run's history for checkpoints missing below its head or left
+        above it (a cut-back history), without loading any state. Without keys,
+        :attr:`integrity_note` says what cannot be detected.
 
         Returns:
             (records checked, one line per problem found).
@@ -1234,8 +1846,10 @@ class Store:
                 "SELECT run_id, seq, kind, keyframe_seq, schema_version, step, source, "
                 "created_at, body, digest FROM oo_checkpoints"
             )
+            seqs: dict[str, list[int]] = {}
             for run_id, seq, kind, kf, ver, step, src, at, body, digest in cur.fetchall():
                 checked += 1
+                seqs.setdefault(run_id, []).append(int(seq))
                 try:
                     raw = _delta.unpack(bytes(body))
                 except CorruptRecord as exc:
@@ -1244,11 +1858,67 @@ class Store:
                 calc = _delta.row_digest(run_id, seq, kind, kf, ver, step, src, at, raw)
                 if calc != bytes(digest):
                     problems.append(f"run {run_id!r} checkpoint {seq}: row fails its digest")
+            cur.execute(
+                "SELECT run_id, seq, kind, keyframe_seq, schema_version, step, source, "
+                "created_at, digest, seal FROM oo_checkpoints"
+            )
+            for run_id, seq, kind, kf, ver, step, src, at, digest, sealed in cur.fetchall():
+                try:
+                    check(
+                        self.integrity,
+                        "checkpoints",
+                        _ckpt_parts(run_id, seq, kind, kf, ver, step, src, at, bytes(digest)),
+                        None if sealed is None else bytes(sealed),
+                        what=f"checkpoint {seq}",
+                    )
+                except CorruptRecord as exc:
+                    problems.append(f"run {run_id!r} checkpoint {seq}: {exc.detail}")
+            cur.execute(self._sql.runs_rows)
+            for found in cur.fetchall():
+                checked += 1
+                values = dict(zip(_RUN_COLS, found[: len(_RUN_COLS)], strict=True))
+                run_id, head = values["run_id"], values["head_seq"]
+                try:
+                    self._checked_run(found)
+                except CorruptRecord as exc:
+                    problems.append(f"run {run_id!r}: {exc.detail}")
+                have = sorted(seqs.get(run_id, []))
+                if head is None:
+                    if have:
+                        problems.append(f"run {run_id!r}: checkpoints {have} but no head")
+                    continue
+                above = [x for x in have if x > int(head)]
+                if above:
+                    problems.append(
+                        f"run {run_id!r}: checkpoints {above} above its head {head} (a cut-back "
+                        f"history, or a head moved back)"
+                    )
+                if int(head) not in have:
+                    problems.append(f"run {run_id!r}: its head checkpoint {head} is missing")
+            from .waits import _READ as WAIT_COLS  # noqa: PLC0415  (waits imports store)
+            from .waits import Waits  # noqa: PLC0415
+
+            waits = Waits(self)
+            cur.execute(f"SELECT {WAIT_COLS} FROM oo_waits")
+            for row in cur.fetchall():
+                checked += 1
+                try:
+                    waits._checked(row)
+                except CorruptRecord as exc:
+                    problems.append(f"run {row[0]!r} wait {row[1]!r}#{row[14]}: {exc.detail}")
 
         self.read(scan)
         return checked, problems
 
+    @property
+    def integrity_note(self) -> str | None:
+        """What this store cannot detect (None when it seals its rows)."""
+        return None if self.integrity is not None else UNKEYED_LIMITS
+
     # -- retention ---------------------------------------------------------------------
+    # Idempotent: a run deleted already is not selected again (one archived but not yet
+    # deleted when the database failed is archived a second time, in an identical line).
+    @retried("apply retention", idempotent=True)
     def apply_retention(
         self, policy: RetentionPolicy, *, now: float | None = None
     ) -> RetentionReport:
@@ -1273,46 +1943,72 @@ class Store:
             .where(links.c.key_run == r.c.run_id)
             .exists()
         )
-        with translate("select runs for retention"), self._reader() as conn:
-            victims = [
-                row[0]
-                for row in conn.execute(
-                    select(r.c.run_id)
-                    .where(r.c.status.in_(statuses), r.c.updated_at < cutoff, ~shared)
-                    .order_by(r.c.updated_at)
-                )
-            ]
         archived = 0
         deleted = 0
-        for run_id in victims:
-            if policy.archive_path is not None:
-                self._archive(run_id, policy.archive_path)
-                archived += 1
-            with translate("delete a run"), self.engine.begin() as conn:
-                # Re-check inside the write transaction: the run may have been resumed.
-                still = conn.execute(
-                    select(r.c.run_id).where(
-                        r.c.run_id == run_id, r.c.status.in_(statuses), r.c.updated_at < cutoff
+        seen: set[str] = set()
+        # Rounds: a fork's origin becomes removable once the fork itself was removed.
+        while True:
+            with translate("select runs for retention"), self._reader() as conn:
+                victims = [
+                    row[0]
+                    for row in conn.execute(
+                        select(r.c.run_id)
+                        .where(r.c.status.in_(statuses), r.c.updated_at < cutoff, ~shared)
+                        .order_by(r.c.updated_at)
                     )
-                ).first()
-                forked = conn.execute(
-                    select(links.c.run_id).where(
-                        links.c.key_run == run_id,
-                        links.c.run_id.in_(select(r.c.run_id).where(r.c.run_id != run_id)),
-                    )
-                ).first()
-                if still is None or forked is not None:
-                    continue  # resumed or forked meanwhile (it was archived; it stays too)
-                conn.execute(delete(links).where(links.c.run_id == run_id))
-                conn.execute(
-                    delete(_schema.checkpoints).where(_schema.checkpoints.c.run_id == run_id)
+                    if row[0] not in seen
+                ]
+            if not victims:
+                break
+            seen.update(victims)
+            for run_id in victims:
+                archived, deleted = self._retire(
+                    run_id, policy, statuses, cutoff, archived, deleted
                 )
-                conn.execute(delete(_schema.blob_refs).where(_schema.blob_refs.c.owner == run_id))
-                conn.execute(delete(r).where(r.c.run_id == run_id))
-                deleted += 1
-            self._heads.pop(run_id, None)
         collected = self.collect_garbage()
         return RetentionReport(deleted, archived, collected)
+
+    def _retire(
+        self,
+        run_id: str,
+        policy: RetentionPolicy,
+        statuses: list[str],
+        cutoff: float,
+        archived: int,
+        deleted: int,
+    ) -> tuple[int, int]:
+        """Archive and delete one run selected for retention, unless it was resumed or
+        forked meanwhile. Returns the counters, advanced."""
+        r = _schema.runs
+        links = _schema.run_links
+        if policy.archive_path is not None:
+            self._archive(run_id, policy.archive_path)
+            archived += 1
+        with translate("delete a run"), self.engine.begin() as conn:
+            # Re-check inside the write transaction: the run may have been resumed.
+            # On PostgreSQL the row lock makes a fork that is starting on this run
+            # (which share-locks it) either finish first, so its link is seen below,
+            # or find the run gone; SQLite writers are serial anyway.
+            still = conn.execute(
+                select(r.c.run_id)
+                .where(r.c.run_id == run_id, r.c.status.in_(statuses), r.c.updated_at < cutoff)
+                .with_for_update()
+            ).first()
+            forked = conn.execute(
+                select(links.c.run_id).where(
+                    links.c.key_run == run_id,
+                    links.c.run_id.in_(select(r.c.run_id).where(r.c.run_id != run_id)),
+                )
+            ).first()
+            if still is None or forked is not None:
+                return archived, deleted  # resumed or forked meanwhile (it stays)
+            conn.execute(delete(links).where(links.c.run_id == run_id))
+            conn.execute(delete(_schema.checkpoints).where(_schema.checkpoints.c.run_id == run_id))
+            conn.execute(delete(_schema.blob_refs).where(_schema.blob_refs.c.owner == run_id))
+            conn.execute(delete(r).where(r.c.run_id == run_id))
+            deleted += 1
+        self._heads.pop(run_id, None)
+        return archived, deleted
 
     def _archive(self, run_id: str, path: str) -> None:
         run = self.get_run(run_id)
@@ -1357,11 +2053,12 @@ class Store:
 
             os.fsync(fh.fileno())
 
+    @retried("collect unreferenced blobs", idempotent=True)
     def collect_garbage(self) -> int:
         """Delete blobs that no run refers to. Returns how many were deleted."""
         self._check_open()
         b, ref = _schema.blobs, _schema.blob_refs
-        with translate("collect unreferenced blobs"), self.engine.begin() as conn:
+        with translate("collect unreferenced blobs"), begin(self.engine) as conn:
             if self._dialect == "postgresql":
                 # Writers insert blob + reference in one transaction; this lock makes the
                 # sweep wait for them, so a blob is never swept between the two.
@@ -1558,9 +2255,81 @@ class _Row:
     created_at: float
     body: bytes
     digest: bytes
+    seal: bytes | None = None
+
+    def seal_parts(self, run_id: str) -> list[object]:
+        return _ckpt_parts(
+            run_id,
+            self.seq,
+            self.kind,
+            self.keyframe_seq,
+            self.schema_version,
+            self.step,
+            self.source,
+            self.created_at,
+            self.digest,
+        )
 
 
-_CKPT_COLS = "seq, kind, keyframe_seq, step, source, schema_version, created_at, body, digest"
+def _ckpt_parts(
+    run_id: str,
+    seq: int,
+    kind: int,
+    keyframe_seq: int,
+    schema_version: int,
+    step: str,
+    source: str,
+    created_at: float,
+    digest: bytes,
+) -> list[object]:
+    """What a checkpoint's seal covers: every column but the body, whose digest it holds."""
+    return [
+        run_id,
+        int(seq),
+        int(kind),
+        int(keyframe_seq),
+        int(schema_version),
+        step,
+        source,
+        float(created_at),
+        bytes(digest),
+    ]
+
+
+def _run_parts(values: Mapping[str, Any], head_digest: bytes | None) -> list[object]:
+    """What a run's seal covers: everything a step or an operator acts on, and the head
+    checkpoint's digest (the lease and the timestamps are operational)."""
+    handoff = values["handoff"]
+    head = values["head_seq"]
+    return [
+        values["run_id"],
+        values["flow"],
+        values["code_version"],
+        int(values["state_version"]),
+        values["status"],
+        values["next_step"],
+        None if handoff is None else bytes(handoff),
+        None if head is None else int(head),
+        b"" if head_digest is None else bytes(head_digest),
+    ]
+
+
+_RUN_COLS = (
+    "run_id",
+    "flow",
+    "code_version",
+    "state_version",
+    "status",
+    "next_step",
+    "lease_owner",
+    "lease_expires_at",
+    "handoff",
+    "head_seq",
+    "created_at",
+    "updated_at",
+    "seal",
+)
+_CKPT_COLS = "seq, kind, keyframe_seq, step, source, schema_version, created_at, body, digest, seal"
 
 
 class _SQL:
@@ -1578,7 +2347,17 @@ class _SQL:
         )
         self.ins_ckpt = (
             "INSERT INTO oo_checkpoints (run_id, seq, kind, keyframe_seq, step, source, "
-            "schema_version, created_at, body, digest) VALUES (" + ", ".join([q] * 10) + ")"
+            "schema_version, created_at, body, digest, seal) VALUES (" + ", ".join([q] * 11) + ")"
+        )
+        rcols0 = ", ".join(f"r.{c}" for c in _RUN_COLS)
+        # One run row with its head checkpoint's digest (what its seal covers).
+        self.run_row = (
+            f"SELECT {rcols0}, c.digest FROM oo_runs r LEFT JOIN oo_checkpoints c "
+            f"ON c.run_id = r.run_id AND c.seq = r.head_seq WHERE r.run_id = {q}"
+        )
+        self.runs_rows = (
+            f"SELECT {rcols0}, c.digest FROM oo_runs r LEFT JOIN oo_checkpoints c "
+            f"ON c.run_id = r.run_id AND c.seq = r.head_seq"
         )
         head = f"(SELECT head_seq FROM oo_runs WHERE run_id = {q})"
         self.head_rows = (
@@ -1592,11 +2371,26 @@ class _SQL:
             f"AND seq <= {q} ORDER BY seq"
         )
         self.run_head = f"SELECT head_seq FROM oo_runs WHERE run_id = {q}"
-        self._advance: dict[tuple[tuple[str, ...], bool], str] = {}
+        # The run row and its head checkpoint's keyframe + deltas, in one statement (one
+        # snapshot even under READ COMMITTED); a run without checkpoints gives one row
+        # of NULL checkpoint columns.
+        rcols = ", ".join(f"r.{c}" for c in _RUN_COLS)
+        ccols = ", ".join(f"c.{c.strip()}" for c in _CKPT_COLS.split(","))
+        self.run_and_head = (
+            f"SELECT {rcols}, {ccols} FROM oo_runs r LEFT JOIN oo_checkpoints c "
+            f"ON c.run_id = r.run_id AND c.seq <= r.head_seq AND c.seq >= "
+            f"(SELECT k.keyframe_seq FROM oo_checkpoints k WHERE k.run_id = r.run_id "
+            f"AND k.seq = r.head_seq) WHERE r.run_id = {q} ORDER BY c.seq"
+        )
+        self._advance: dict[tuple[tuple[str, ...], bool, bool], str] = {}
         self._blobs_in: dict[int, str] = {}
 
-    def advance(self, cols: tuple[str, ...], *, first: bool) -> str:
-        key = (cols, first)
+    def advance(self, cols: tuple[str, ...], *, first: bool, parent: bool = False) -> str:
+        """The run-head compare-and-set: ``head_seq`` must be NULL (``first``) or the
+        parent's sequence number, and with ``parent`` the checkpoint there must be the
+        exact parent (its digest), so a checkpoint built on one that lost a race to
+        another writer at the same sequence number never lands on the winner's."""
+        key = (cols, first, parent)
         sql = self._advance.get(key)
         if sql is None:
             q = self.q
@@ -1604,6 +2398,11 @@ class _SQL:
                 [f"head_seq = {q}", f"updated_at = {q}"] + [f"{c} = {q}" for c in cols]
             )
             cond = "head_seq IS NULL" if first else f"head_seq = {q}"
+            if parent:
+                cond += (
+                    f" AND EXISTS (SELECT 1 FROM oo_checkpoints WHERE run_id = {q} "
+                    f"AND seq = {q} AND digest = {q})"
+                )
             sql = f"UPDATE oo_runs SET {sets} WHERE run_id = {q} AND {cond}"
             self._advance[key] = sql
         return sql
@@ -1625,7 +2424,8 @@ class _RawTxn:
     one). SQLite writers take the lock up front (``BEGIN IMMEDIATE``) so a transaction
     never fails half-way on a lock upgrade; readers use a deferred ``BEGIN`` for one
     snapshot. A transaction that fails, including at COMMIT, is rolled back; a connection
-    that cannot even roll back is discarded.
+    that cannot even roll back is discarded. A COMMIT whose answer was lost raises
+    ``DatabaseUnavailable`` with ``may_have_committed`` (:func:`_engine.lost_commit`).
     """
 
     def __init__(self, store: Store, *, write: bool) -> None:
@@ -1652,12 +2452,18 @@ class _RawTxn:
         done = False
         try:
             if exc_type is None:
-                if self._sqlite:
-                    self._cur.execute("COMMIT" if self._write else "ROLLBACK")
-                elif self._write:
-                    conn.commit()
-                else:
-                    conn.rollback()
+                try:
+                    if self._sqlite:
+                        self._cur.execute("COMMIT" if self._write else "ROLLBACK")
+                    elif self._write:
+                        conn.commit()
+                    else:
+                        conn.rollback()
+                except DRIVER_ERRORS as err:
+                    lost = lost_commit(err) if self._write else None
+                    if lost is None:
+                        raise
+                    raise lost from err
                 done = True
         finally:
             healthy = True

@@ -7,9 +7,12 @@ expiry and the requester's identity), an inbound **signal** with a payload, or a
 records itself on the row and makes the run ``running`` again in the same transaction;
 a due timer or an expired approval is found by :meth:`Waits.claim_ready`.
 
-Names are unique within a run (a loop that waits on each pass names each wait). A signal
-may arrive before the run waits for it: it is kept (``delivered``) and the wait, when it
-opens, is settled at once.
+A wait belongs to the step visit that opened it (``opened_by``, e.g. ``"pay#2"``): the
+same step visit opening it again (after a crash) gets the same wait, while another visit
+or step opening a wait of the same name (a loop that asks for approval on every pass)
+gets a new *instance* of it, open and undecided. Decisions and signals by name go to the
+latest instance. A signal may arrive before the run waits for it: it is kept
+(``delivered``) and the next wait of its name, when it opens, is settled at once.
 
 The waiting run and the open wait are written in two transactions, in an order that
 keeps every interleaving safe: the wait is opened first (a crash before the checkpoint
@@ -22,14 +25,16 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import blake3
 
-from .errors import ConfigurationError, WaitNotFound, WaitRefused
+from .errors import ConfigurationError, CorruptRecord, WaitNotFound, WaitRefused
 from .failpoints import failpoint
+from .integrity import _check_seal as check_seal
+from .records import RunStatus
 
 if TYPE_CHECKING:
     from .store import Store
@@ -83,6 +88,9 @@ class Wait:
         decided_at: When (UNIX seconds).
         reason: The decider's reason.
         created_at: When the wait (or an early signal) was recorded.
+        instance: Which wait of this name in the run (0, 1, ...: one per step visit).
+        opened_by: The step visit that opened it (``step#visit``); None for a signal
+            kept before any wait took it, or a wait opened outside the runtime.
     """
 
     run_id: str
@@ -99,6 +107,8 @@ class Wait:
     decided_at: float | None
     reason: str | None
     created_at: float
+    instance: int = 0
+    opened_by: str | None = None
 
     @property
     def settled(self) -> bool:
@@ -113,8 +123,10 @@ def subject_hash(store: Store, subject: Any) -> str:
 
 _COLS = (
     "run_id, name, kind, status, due_at, subject_hash, subject, requested_by, allow_self, "
-    "payload, decided_by, decided_at, reason, created_at"
+    "payload, decided_by, decided_at, reason, created_at, instance, opened_by"
 )
+_READ = _COLS + ", seal"  # rows are read with their seal and written, then sealed
+_TERMINAL_RUN = ("completed", "failed", "cancelled")
 NOTIFY_CHANNEL = "onceonly_runs"
 """The PostgreSQL ``LISTEN`` channel on which idle workers are woken."""
 
@@ -132,22 +144,13 @@ class Waits:
         self.clock = clock
 
     # -- reading -----------------------------------------------------------------------
-    def get(self, run_id: str, name: str) -> Wait:
-        """The wait ``name`` of ``run_id``.
+    def get(self, run_id: str, name: str, instance: int | None = None) -> Wait:
+        """The wait ``name`` of ``run_id``: its latest instance, or ``instance``.
 
         Raises:
             WaitNotFound: No such wait.
         """
-        q = self.store.param
-
-        def read(cur: Any) -> tuple[Any, ...] | None:
-            cur.execute(
-                f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q}", (run_id, name)
-            )
-            row = cur.fetchone()
-            return None if row is None else tuple(row)
-
-        row = self.store.read(read)
+        row = self.store.read(lambda cur: self._select(cur, run_id, name, instance))
         if row is None:
             raise WaitNotFound(run_id, name)
         return self._wait(row)
@@ -165,16 +168,16 @@ class Waits:
         if status is not None:
             where.append(f"status = {q}")
             params.append(WaitStatus(status).value)
-        sql = f"SELECT {_COLS} FROM oo_waits"
+        sql = f"SELECT {_READ} FROM oo_waits"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY created_at, run_id, name"
+        sql += " ORDER BY created_at, run_id, name, instance"
 
         def read(cur: Any) -> list[tuple[Any, ...]]:
             cur.execute(sql, params)
             return [tuple(r) for r in cur.fetchall()]
 
-        return [self._wait(r) for r in self.store.read(read)]
+        return [self._wait(self._checked(r)) for r in self.store.read(read)]
 
     # -- the waiting run ---------------------------------------------------------------
     def open(
@@ -187,53 +190,34 @@ class Waits:
         subject: Any = None,
         requested_by: str | None = None,
         allow_self: bool = False,
+        opened_by: str | None = None,
     ) -> Wait:
-        """Open a wait (idempotent: an existing wait of the same name is returned as is).
+        """Open a wait for the step visit ``opened_by``.
 
-        A signal delivered before its wait opened is returned ``delivered``.
+        Idempotent for that step visit: a wait of this name it opened before is
+        returned as is (a step re-run after a crash finds its wait, decided or not). A
+        wait of this name opened by another step visit (a loop's earlier pass) is left
+        alone and a new instance is opened. A signal kept before any wait of its name
+        opened is taken by this wait (returned ``delivered``). Without ``opened_by``
+        (outside the runtime) an existing wait of the name is returned as is.
 
         Raises:
-            WaitRefused: A wait of this name exists with another kind
-                (``kind_mismatch``), or an approval with another subject
-                (``subject_changed``): names are unique within a run.
+            WaitRefused: The wait this step visit opened has another kind
+                (``kind_mismatch``), or is an approval of another subject
+                (``subject_changed``).
         """
         kind = WaitKind(kind)
-        if kind is WaitKind.TIMER and due_at is None:
-            raise ConfigurationError("a timer wait needs due_at")
-        q = self.store.param
+        txn = self.opening(
+            run_id,
+            name,
+            kind,
+            due_at=due_at,
+            subject=subject,
+            requested_by=requested_by,
+            allow_self=allow_self,
+            opened_by=opened_by,
+        )
         digest = subject_hash(self.store, subject) if kind is WaitKind.APPROVAL else None
-        encoded = self.store.codec.encode(subject) if kind is WaitKind.APPROVAL else None
-        now = self.clock()
-
-        def txn(cur: Any) -> tuple[Any, ...]:
-            cur.execute(
-                f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q}", (run_id, name)
-            )
-            row = cur.fetchone()
-            if row is None:
-                cur.execute(
-                    f"INSERT INTO oo_waits ({_COLS}) VALUES "
-                    f"({q}, {q}, {q}, {q}, {q}, {q}, {q}, {q}, {q}, NULL, NULL, NULL, NULL, {q})",
-                    (
-                        run_id,
-                        name,
-                        kind.value,
-                        WaitStatus.OPEN.value,
-                        due_at,
-                        digest,
-                        encoded,
-                        requested_by,
-                        int(allow_self),
-                        now,
-                    ),
-                )
-                cur.execute(
-                    f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q}",
-                    (run_id, name),
-                )
-                row = cur.fetchone()
-            return tuple(row)
-
         failpoint("waits.open.before")
         wait = self._wait(self.store.transact(txn))
         failpoint("waits.open.after")
@@ -242,8 +226,8 @@ class Waits:
                 run_id,
                 name,
                 "kind_mismatch",
-                f"run {run_id!r} already has a {wait.kind.value} wait named {name!r}; wait "
-                f"names are unique within a run",
+                f"run {run_id!r} already has a {wait.kind.value} wait named {name!r} for "
+                f"this step; wait names are unique within a step",
             )
         if kind is WaitKind.APPROVAL and wait.subject_hash != digest:
             raise WaitRefused(
@@ -255,54 +239,135 @@ class Waits:
             )
         return wait
 
-    def wake_if_settled(self, run_id: str, name: str) -> bool:
-        """Make a waiting run ready if its wait ``name`` is settled or due.
+    def opening(
+        self,
+        run_id: str,
+        name: str,
+        kind: WaitKind | str,
+        *,
+        due_at: float | None = None,
+        subject: Any = None,
+        requested_by: str | None = None,
+        allow_self: bool = False,
+        opened_by: str | None = None,
+    ) -> Callable[[Any], tuple[Any, ...]]:
+        """The transaction work of :meth:`open`, to run inside another transaction (a
+        fork starts its run and opens its wait in one); returns the wait's row."""
+        kind = WaitKind(kind)
+        if kind is WaitKind.TIMER and due_at is None:
+            raise ConfigurationError("a timer wait needs due_at")
+        q = self.store.param
+        digest = subject_hash(self.store, subject) if kind is WaitKind.APPROVAL else None
+        encoded = self.store.codec.encode(subject) if kind is WaitKind.APPROVAL else None
+        now = self.clock()
+
+        def insert(cur: Any, instance: int) -> tuple[Any, ...]:
+            cur.execute(
+                f"INSERT INTO oo_waits ({_COLS}) VALUES ({q}, {q}, {q}, {q}, {q}, {q}, {q}, "
+                f"{q}, {q}, NULL, NULL, NULL, NULL, {q}, {q}, {q})",
+                (
+                    run_id,
+                    name,
+                    kind.value,
+                    WaitStatus.OPEN.value,
+                    due_at,
+                    digest,
+                    encoded,
+                    requested_by,
+                    int(allow_self),
+                    now,
+                    instance,
+                    opened_by,
+                ),
+            )
+            self._reseal(cur, run_id, name, instance)
+            found = self._select(cur, run_id, name, instance)
+            assert found is not None
+            return found
+
+        def txn(cur: Any) -> tuple[Any, ...]:
+            row = self._select(cur, run_id, name, None)
+            if row is None:
+                return insert(cur, 0)
+            latest_by, latest = row[15], int(row[14])
+            if opened_by is None or latest_by == opened_by:
+                return row  # this step visit's own wait (or no visit to tell them apart)
+            if latest_by is None and row[2] == WaitKind.SIGNAL.value and kind is WaitKind.SIGNAL:
+                # A signal kept for the next wait of its name: this one takes it.
+                cur.execute(
+                    f"UPDATE oo_waits SET opened_by = {q} WHERE run_id = {q} AND name = {q} "
+                    f"AND instance = {q}",
+                    (opened_by, run_id, name, latest),
+                )
+                self._reseal(cur, run_id, name, latest)
+                found = self._select(cur, run_id, name, latest)
+                assert found is not None
+                return found
+            if latest_by is None and row[3] == WaitStatus.OPEN.value:
+                # An open wait from before waits were kept per step visit (or opened
+                # outside the runtime): this step visit adopts it.
+                cur.execute(
+                    f"UPDATE oo_waits SET opened_by = {q} WHERE run_id = {q} AND name = {q} "
+                    f"AND instance = {q}",
+                    (opened_by, run_id, name, latest),
+                )
+                self._reseal(cur, run_id, name, latest)
+                found = self._select(cur, run_id, name, latest)
+                assert found is not None
+                return found
+            return insert(cur, latest + 1)  # another visit's wait: a new one
+
+        return txn
+
+    def wake_if_settled(self, run_id: str, name: str, instance: int | None = None) -> bool:
+        """Make a waiting run ready if its wait ``name`` (the latest, or ``instance``) is
+        settled or due.
 
         Returns:
             Whether the wait is settled or due (the run is ready, or was already).
         """
-        q = self.store.param
         now = self.clock()
 
         def txn(cur: Any) -> bool:
-            cur.execute(
-                f"SELECT status, due_at FROM oo_waits WHERE run_id = {q} AND name = {q}",
-                (run_id, name),
-            )
-            row = cur.fetchone()
+            row = self._select(cur, run_id, name, instance)
             if row is None:
                 raise WaitNotFound(run_id, name)
-            ready = row[0] != WaitStatus.OPEN.value or (row[1] is not None and row[1] <= now)
+            ready = row[3] != WaitStatus.OPEN.value or (row[4] is not None and row[4] <= now)
             if ready:
                 self._wake(cur, run_id, now)
             return ready
 
         return self.store.transact(txn)
 
-    def fire_if_due(self, run_id: str, name: str) -> Wait:
-        """Settle an open wait whose time has come: a timer ``fired``, an approval
-        ``expired``. Returns the wait as it now is."""
+    def fire_if_due(self, run_id: str, name: str, instance: int | None = None) -> Wait:
+        """Settle an open wait (the latest of its name, or ``instance``) whose time has
+        come: a timer ``fired``, an approval ``expired``. Returns the wait as it now is."""
         q = self.store.param
         now = self.clock()
 
-        def txn(cur: Any) -> None:
+        def txn(cur: Any) -> int:
+            row = self._select(cur, run_id, name, instance)
+            if row is None:
+                raise WaitNotFound(run_id, name)
             cur.execute(
                 f"UPDATE oo_waits SET status = CASE kind WHEN 'timer' THEN 'fired' "
                 f"ELSE 'expired' END, decided_at = {q}, decided_by = 'clock' "
-                f"WHERE run_id = {q} AND name = {q} AND status = 'open' AND kind <> 'signal' "
-                f"AND due_at IS NOT NULL AND due_at <= {q}",
-                (now, run_id, name, now),
+                f"WHERE run_id = {q} AND name = {q} AND instance = {q} AND status = 'open' "
+                f"AND kind <> 'signal' AND due_at IS NOT NULL AND due_at <= {q}",
+                (now, run_id, name, row[14], now),
             )
             if cur.rowcount:
+                self._reseal(cur, run_id, name, int(row[14]))
                 # Wake the run in the same transaction: a worker that dies after this
                 # commit and before its checkpoint leaves a running (claimable) run, not
                 # a waiting one whose timer is no longer open (that no worker would claim).
                 self._wake(cur, run_id, now)
+            return int(row[14])
 
         failpoint("waits.settle.before")
-        self.store.transact(txn)
+        which = self.store.transact(txn)
         failpoint("waits.settle.after")
-        return self.get(run_id, name)
+        return self.get(run_id, name, which)
 
     # -- decisions from any process ----------------------------------------------------
     def approve(
@@ -327,44 +392,58 @@ class Waits:
         return self._decide(run_id, name, WaitStatus.REJECTED, actor, reason, None)
 
     def signal(self, run_id: str, name: str, payload: Any = None, *, actor: str = "") -> Wait:
-        """Deliver a signal; wakes the run if it waits for it, else keeps it for later.
+        """Deliver a signal: to the open wait of its name (waking the run), or, when none
+        is open, keep it for the next wait of that name (one kept signal at a time).
 
         Raises:
             RunNotFound: No such run.
-            WaitRefused: ``name`` is another kind of wait, or the signal was delivered
-                already (``decided``): a signal is delivered once.
+            WaitRefused: ``name`` is another kind of wait (``kind_mismatch``), or the
+                signal was delivered already and no wait has taken it since, or the run
+                has ended (``decided``): a signal is delivered once.
         """
         self.store.get_run(run_id)  # RunNotFound before anything is written
         encoded = self.store.codec.encode(payload)
         q = self.store.param
         now = self.clock()
 
-        def txn(cur: Any) -> tuple[Any, ...] | None:
+        def keep(cur: Any, instance: int) -> None:
             cur.execute(
-                f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q}", (run_id, name)
+                f"INSERT INTO oo_waits ({_COLS}) VALUES ({q}, {q}, 'signal', 'delivered', "
+                f"NULL, NULL, NULL, NULL, 0, {q}, {q}, {q}, NULL, {q}, {q}, NULL)",
+                (run_id, name, encoded, actor, now, now, instance),
             )
-            row = cur.fetchone()
-            if row is not None and (row[2] != WaitKind.SIGNAL.value or row[3] != "open"):
-                return tuple(row)
+            self._reseal(cur, run_id, name, instance)
+
+        def txn(cur: Any) -> tuple[str, tuple[Any, ...]] | None:
+            row = self._select(cur, run_id, name, None)
             if row is None:
-                cur.execute(
-                    f"INSERT INTO oo_waits ({_COLS}) VALUES ({q}, {q}, 'signal', 'delivered', "
-                    f"NULL, NULL, NULL, NULL, 0, {q}, {q}, {q}, NULL, {q})",
-                    (run_id, name, encoded, actor, now, now),
-                )
-            else:
+                keep(cur, 0)
+                return None
+            if row[2] != WaitKind.SIGNAL.value:
+                return "kind_mismatch", row
+            if row[3] == WaitStatus.OPEN.value:
                 cur.execute(
                     f"UPDATE oo_waits SET status = 'delivered', payload = {q}, decided_by = {q}, "
-                    f"decided_at = {q} WHERE run_id = {q} AND name = {q} AND status = 'open'",
-                    (encoded, actor, now, run_id, name),
+                    f"decided_at = {q} WHERE run_id = {q} AND name = {q} AND instance = {q} "
+                    f"AND status = 'open'",
+                    (encoded, actor, now, run_id, name, row[14]),
                 )
+                self._reseal(cur, run_id, name, int(row[14]))
                 self._wake(cur, run_id, now)
+                return None
+            if row[15] is None:
+                return "decided", row  # kept already, and no wait has taken it yet
+            cur.execute(f"SELECT status FROM oo_runs WHERE run_id = {q}", (run_id,))
+            status = cur.fetchone()
+            if status is None or status[0] in _TERMINAL_RUN:
+                return "decided", row  # nothing will ever take it
+            keep(cur, int(row[14]) + 1)  # for the next pass of a loop
             return None
 
         clash = self.store.transact(txn)
         if clash is not None:
-            found = self._wait(clash)
-            reason = "kind_mismatch" if found.kind is not WaitKind.SIGNAL else "decided"
+            reason, row = clash
+            found = self._wait(row)
             raise WaitRefused(
                 run_id,
                 name,
@@ -385,11 +464,18 @@ class Waits:
 
         def txn(cur: Any) -> int:
             cur.execute(
-                f"UPDATE oo_waits SET status = 'cancelled', decided_by = {q}, decided_at = {q}, "
-                f"reason = {q} WHERE run_id = {q} AND status = 'open'",
-                (actor, now, reason, run_id),
+                f"SELECT {_READ} FROM oo_waits WHERE run_id = {q} AND status = 'open'", (run_id,)
             )
-            return int(cur.rowcount or 0)
+            rows = [self._checked(r) for r in cur.fetchall()]
+            for row in rows:
+                cur.execute(
+                    f"UPDATE oo_waits SET status = 'cancelled', decided_by = {q}, "
+                    f"decided_at = {q}, reason = {q} WHERE run_id = {q} AND name = {q} "
+                    f"AND instance = {q} AND status = 'open'",
+                    (actor, now, reason, run_id, row[1], row[14]),
+                )
+                self._reseal(cur, run_id, row[1], int(row[14]))
+            return len(rows)
 
         return self.store.transact(txn)
 
@@ -410,7 +496,6 @@ class Waits:
         if ttl_s <= 0 or limit < 1:
             raise ConfigurationError("claim_ready needs ttl_s > 0 and limit >= 1")
         q = self.store.param
-        now = self.clock()
         pg = self.store.dialect == "postgresql"
         lock = " FOR UPDATE SKIP LOCKED" if pg else ""
         # A lease is free when nobody holds it, it lapsed, or it is our own: a restarted
@@ -429,6 +514,7 @@ class Waits:
         )
 
         def txn(cur: Any) -> list[str]:
+            now = self.clock()  # in the transaction: a retried round sees the time it runs
             cur.execute(pick, (now, owner, now, owner, now, owner))
             ids = [str(r[0]) for r in cur.fetchall()]
             for rid in ids:
@@ -439,7 +525,9 @@ class Waits:
                 )
             return ids
 
-        return self.store.transact(txn)
+        # Idempotent: run again after a lost COMMIT, it leases the same runs to the same
+        # owner (whose own leases count as free).
+        return self.store.transact(txn, idempotent=True)
 
     # -- internals ---------------------------------------------------------------------
     def _decide(
@@ -461,15 +549,20 @@ class Waits:
         q = self.store.param
 
         def txn(cur: Any) -> bool:
-            # CAS on the open state: two approvers racing, one wins.
+            # The row is checked again (its seal) in the deciding transaction.
+            if self._select(cur, run_id, name, wait.instance) is None:
+                return False
+            # CAS on the open state of the instance that was checked: two approvers
+            # racing, one wins; a new instance opened meanwhile is not decided blind.
             cur.execute(
                 f"UPDATE oo_waits SET status = {q}, decided_by = {q}, decided_at = {q}, "
-                f"reason = {q} WHERE run_id = {q} AND name = {q} AND status = 'open' "
-                f"AND (due_at IS NULL OR due_at > {q})",
-                (status.value, actor, now, reason, run_id, name, now),
+                f"reason = {q} WHERE run_id = {q} AND name = {q} AND instance = {q} "
+                f"AND status = 'open' AND (due_at IS NULL OR due_at > {q})",
+                (status.value, actor, now, reason, run_id, name, wait.instance, now),
             )
             if not cur.rowcount:
                 return False
+            self._reseal(cur, run_id, name, wait.instance)
             self._wake(cur, run_id, now)
             return True
 
@@ -480,15 +573,83 @@ class Waits:
                 "decided",
                 f"approval {name!r} of run {run_id!r} was decided or expired meanwhile",
             )
-        return self.get(run_id, name)
+        return self.get(run_id, name, wait.instance)
+
+    def _select(
+        self, cur: Any, run_id: str, name: str, instance: int | None
+    ) -> tuple[Any, ...] | None:
+        """The row of wait ``name`` of ``run_id`` (its latest instance, or ``instance``),
+        its seal checked before anything decides on it."""
+        q = self.store.param
+        if instance is None:
+            cur.execute(
+                f"SELECT {_READ} FROM oo_waits WHERE run_id = {q} AND name = {q} "
+                f"ORDER BY instance DESC LIMIT 1",
+                (run_id, name),
+            )
+        else:
+            cur.execute(
+                f"SELECT {_READ} FROM oo_waits WHERE run_id = {q} AND name = {q} "
+                f"AND instance = {q}",
+                (run_id, name, instance),
+            )
+        row = cur.fetchone()
+        return None if row is None else self._checked(row)
+
+    def _checked(self, row: Sequence[Any]) -> tuple[Any, ...]:
+        """A wait row without its seal, after checking the seal (with integrity keys)
+        and that an approval's subject is the one its hash names."""
+        keys = self.store.integrity
+        values = tuple(row[:16])
+        if keys is not None:
+            check_seal(
+                keys,
+                "waits",
+                _wait_parts(values),
+                None if row[16] is None else bytes(row[16]),
+                what=f"wait {values[1]!r} of run {values[0]!r}",
+                run_id=values[0],
+            )
+            subject = values[6]
+            if subject is not None and blake3.blake3(bytes(subject)).hexdigest() != values[5]:
+                raise CorruptRecord(
+                    f"wait {values[1]!r} of run {values[0]!r}: the subject is not the one its "
+                    f"approval is bound to (edited)",
+                    run_id=values[0],
+                )
+        return values
+
+    def _reseal(self, cur: Any, run_id: str, name: str, instance: int) -> None:
+        """Seal a wait row this transaction just wrote (no keys: nothing to do)."""
+        keys = self.store.integrity
+        if keys is None:
+            return
+        q = self.store.param
+        cur.execute(
+            f"SELECT {_COLS} FROM oo_waits WHERE run_id = {q} AND name = {q} AND instance = {q}",
+            (run_id, name, instance),
+        )
+        row = cur.fetchone()
+        if row is None:
+            return
+        cur.execute(
+            f"UPDATE oo_waits SET seal = {q} WHERE run_id = {q} AND name = {q} AND instance = {q}",
+            (keys.seal("waits", _wait_parts(tuple(row))), run_id, name, instance),
+        )
 
     def _wake(self, cur: Any, run_id: str, now: float) -> None:
         q = self.store.param
-        cur.execute(
-            f"UPDATE oo_runs SET status = 'running', updated_at = {q} "
-            f"WHERE run_id = {q} AND status = 'waiting'",
-            (now, run_id),
-        )
+        if self.store.integrity is None:
+            cur.execute(
+                f"UPDATE oo_runs SET status = 'running', updated_at = {q} "
+                f"WHERE run_id = {q} AND status = 'waiting'",
+                (now, run_id),
+            )
+        else:
+            # The run row is checked and sealed again with its new status.
+            run = self.store.read_run_in(cur, run_id, lock=True)
+            if run is not None and run.status is RunStatus.WAITING:
+                self.store._update_run_in(cur, run, {"status": RunStatus.RUNNING.value})
         if self.store.dialect == "postgresql":
             cur.execute(f"NOTIFY {NOTIFY_CHANNEL}")
 
@@ -511,7 +672,31 @@ class Waits:
             decided_at=row[11],
             reason=row[12],
             created_at=row[13],
+            instance=int(row[14]),
+            opened_by=row[15],
         )
+
+
+def _wait_parts(row: Sequence[Any]) -> list[object]:
+    """What a wait's seal covers: every column, the payload by its hash."""
+    payload = row[9]
+    return [
+        row[0],
+        row[1],
+        int(row[14]),
+        row[2],
+        row[3],
+        None if row[4] is None else float(row[4]),
+        row[5],
+        row[7],
+        int(row[8]),
+        None if payload is None else blake3.blake3(bytes(payload)).digest(),
+        row[10],
+        None if row[11] is None else float(row[11]),
+        row[12],
+        row[15],
+        float(row[13]),
+    ]
 
 
 def _refusal(

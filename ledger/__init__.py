@@ -17,9 +17,11 @@ from .errors import (
     LedgerUnavailable,
     PayloadErased,
     ResultUnknown,
+    RunFenced,
     SubjectErased,
     UnknownEffect,
 )
+from .fence import RunFence, current_fence, run_fence
 from .keys import EffectIdentity, KeyRecipe, Keyring, Secret
 from .ledger import Ledger
 from .records import (
@@ -61,9 +63,13 @@ __all__ = [  # noqa: RUF022
     "Replay",
     "ResultUnknown",
     "RetentionPolicy",
+    "RunFence",
+    "RunFenced",
     "Secret",
     "SubjectErased",
     "UNKNOWN_RESULT",
     "UnknownEffect",
+    "current_fence",
     "migrate",
+    "run_fence",
 ]

@@ -208,11 +208,18 @@ class QueryMixin:
         cutoff = now - policy.older_than_s
         finished = (*TERMINAL, EffectStatus.NOT_HAPPENED.value)
 
+        # An entry stays while its run exists, or any run that shares its run's effect
+        # keys (a fork replays its origin's entries): checked again in each delete.
+        gone = (
+            "(run_id IS NULL OR (NOT EXISTS (SELECT 1 FROM oo_runs r WHERE r.run_id = "
+            "oo_effects.run_id) AND NOT EXISTS (SELECT 1 FROM oo_run_links l WHERE "
+            "l.key_run = oo_effects.run_id)))"
+        )
+
         def pick(cur: Any) -> list[Row]:
             q = self._q
             cur.execute(
-                f"{SELECT} WHERE status IN ({q}, {q}, {q}) AND updated_at < {q} AND "
-                f"(run_id IS NULL OR run_id NOT IN (SELECT run_id FROM oo_runs))",
+                f"{SELECT} WHERE status IN ({q}, {q}, {q}) AND updated_at < {q} AND {gone}",
                 (*finished, cutoff),
             )
             return [
@@ -234,19 +241,25 @@ class QueryMixin:
                     )
                 fh.flush()
                 os.fsync(fh.fileno())  # the archive is durable before any entry is deleted
+        removed = 0
         for row in victims:
 
-            def txn(cur: Any, row: Row = row) -> None:
+            def txn(cur: Any, row: Row = row) -> int:
                 q = self._q
+                # The run (and its links) are read again in the delete itself: a run
+                # started or forked since the pick keeps the entry.
                 cur.execute(
-                    f"DELETE FROM oo_effects WHERE key_id = {q} AND epoch = {q} AND status = {q}",
+                    f"DELETE FROM oo_effects WHERE key_id = {q} AND epoch = {q} AND status = {q} "
+                    f"AND {gone}",
                     (row["key_id"], row["epoch"], row["status"]),
                 )
-                if cur.rowcount == 1:
-                    self._append(
-                        cur, {**row, "updated_at": self._clock()}, "retired", "retention", ""
-                    )
+                if cur.rowcount != 1:
+                    return 0
+                self._append(
+                    cur, {**row, "updated_at": self._clock()}, "retired", "retention", ""
+                )
+                return 1
 
-            self._write(txn, outcome=False)
+            removed += self._write(txn, outcome=False)
             self._terminal.pop(row["key_id"], None)
-        return len(victims)
+        return removed

@@ -13,7 +13,8 @@
         ├── SubjectErased        a new effect for an erased data subject is refused
         ├── LedgerUnavailable    the ledger cannot be written: nothing is acted on
         ├── UnknownEffect        no entry with this key id
-        └── InvalidTransition    the entry is not in a state that allows this change
+        ├── InvalidTransition    the entry is not in a state that allows this change
+        └── RunFenced            the run moved on (cancelled, edited, lease lost): no claim
 
 Every error carries the ``key_id`` it is about, where there is one, and says what to do.
 """
@@ -35,6 +36,7 @@ __all__ = [
     "LedgerUnavailable",
     "PayloadErased",
     "ResultUnknown",
+    "RunFenced",
     "SubjectErased",
     "UnknownEffect",
 ]
@@ -227,3 +229,25 @@ class InvalidTransition(LedgerError):
         self.key_id = key_id
         self.status = status
         super().__init__(f"effect {key_id[:16]}… is {status}; cannot {wanted}")
+
+
+class RunFenced(LedgerError):
+    """A claim was refused because the run it acts for is no longer where the step
+    started: it was cancelled, failed or completed, another writer advanced its head (an
+    operator's edit or cancel, a deploy's migration), or another worker took its lease.
+    Nothing was claimed and nothing is acted on; the step's work is dropped and the run
+    goes on from its durable head.
+
+    Attributes:
+        run_id: The run.
+        reason: ``not_running``, ``moved``, ``lease`` or ``gone``.
+        status: The run's status as the claim saw it (None when the run is gone).
+    """
+
+    def __init__(self, run_id: str, reason: str, status: str | None, detail: str) -> None:
+        self.run_id = run_id
+        self.reason = reason
+        self.status = status
+        super().__init__(
+            f"run {run_id!r}: no new effect is claimed for it ({detail}); nothing was sent"
+        )

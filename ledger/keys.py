@@ -28,7 +28,7 @@ from typing import Any
 
 import blake3
 
-from checkpoint import Codec
+from checkpoint import Codec, RowKeys
 from checkpoint.errors import ConfigurationError
 
 __all__ = [
@@ -43,6 +43,7 @@ _CONTEXTS = {
     "provider": "onceonly 2026-11 provider key",
     "fingerprint": "onceonly 2026-11 argument fingerprint",
     "kek": "onceonly 2026-11 data key wrapping",
+    "rows": "onceonly 2026-12 row seals",
 }
 
 
@@ -159,6 +160,11 @@ class Keyring:
         """The key sent downstream, derived from the ledger key (48 hex chars, ``oo-`` prefix)."""
         h = blake3.blake3(bytes.fromhex(key_id), key=self.subkey(secret_id, "provider"))
         return "oo-" + h.hexdigest(length=24)
+
+    def row_keys(self) -> RowKeys:
+        """The keys that seal the rows the runtime trusts (runs, checkpoints, waits, and
+        the ledger's own rows): one subkey per secret, the current one sealing."""
+        return RowKeys(self.current_id, {sid: self._sub[(sid, "rows")] for sid in self.ids})
 
     def fingerprint(self, secret_id: str, canonical: bytes) -> str:
         """Keyed fingerprint (hex) of canonical argument bytes."""

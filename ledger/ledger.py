@@ -51,6 +51,7 @@ from .errors import (
     SubjectErased,
     UnknownEffect,
 )
+from .fence import RunFence, check_fence, current_fence
 from .keys import EffectIdentity, Keyring, canonical_args
 from .records import (
     UNKNOWN_RESULT,
@@ -169,16 +170,49 @@ class Ledger(QueryMixin):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._live: set[tuple[str, int]] = set()  # claims this object handed out, open
         ensure_schema(store.engine, "ledger", _schema.LEDGER_MIGRATIONS, create=create)
+        # The store seals (and checks) its runs, checkpoints and waits with this keyring.
+        store.attach_integrity(keyring.row_keys())
 
     # -- fail closed --------------------------------------------------------------------
     def _check(self) -> None:
         if self._poisoned is not None:
             raise LedgerUnavailable(
                 "this ledger stopped after an outcome could not be recorded "
-                f"({self._poisoned}); nothing more is acted on through it. Stop the worker, "
-                "fix the database, and start a new one: it recovers from what is on disk, and "
+                f"({self._poisoned}); nothing more is acted on through it. Once the database "
+                "answers again, Ledger.recover() (a Worker calls it by itself after a "
+                "transient failure) or a new process starts again from what is on disk, and "
                 "the unrecorded effect is reconciled as in doubt."
             ) from self._poisoned
+
+    def recover(self) -> None:
+        """Start again from what is on disk, as a restarted process would.
+
+        Forgets everything this object cached and the claims it handed out, and accepts
+        work again if it had stopped (an outcome that could not be recorded). An effect
+        whose outcome went unrecorded is then found in doubt by its next claim (a claim of
+        this worker's name that this object did not hand out) and reconciled, by the
+        adapter's probe or an operator, exactly as after a restart.
+
+        Call it only while nothing is done through this ledger (no step is running), and
+        only once the cause is gone: a :class:`~onceonly.worker.Worker` calls it by itself
+        after a transient database failure, once the database answers again; after a
+        disk error, fix the disk first.
+
+        Raises:
+            LedgerUnavailable: The database does not answer yet; the ledger stays as it
+                was (the store has retried for its retry budget).
+        """
+        try:
+            self.store.read(lambda cur: cur.execute("SELECT 1"))
+        except StoreError as exc:
+            raise LedgerUnavailable(
+                f"the ledger cannot start again yet: the database does not answer ({exc})"
+            ) from exc
+        self._heads.clear()
+        self._terminal.clear()
+        self._prefetched.clear()
+        self._live.clear()
+        self._poisoned = None
 
     def _write(self, fn: Callable[[Any], T], *, outcome: bool) -> T:
         self._check()
@@ -196,7 +230,7 @@ class Ledger(QueryMixin):
                 raise LedgerUnavailable(
                     f"the ledger could not record this effect's outcome ({exc}); the effect "
                     f"was performed and will be reconciled as in doubt. This ledger now "
-                    f"refuses further work: stop the worker and start a new one."
+                    f"refuses further work until Ledger.recover() or a restart."
                 ) from exc
             raise LedgerUnavailable(
                 f"the ledger could not be written ({exc}); nothing was acted on for this call"
@@ -274,11 +308,14 @@ class Ledger(QueryMixin):
 
         deadline = self._clock() + self.in_flight.wait_s
         backoff = self.in_flight.initial_backoff_s
+        # Read here, in the caller's context: the transaction may run on the store's
+        # background writer thread (async durability).
+        fence = current_fence()
         while True:
             failpoint("ledger.claim.before")
             out = self._write(
                 lambda cur: self._claim_txn(
-                    cur, identity, candidates, fps, canonical, pclass, window_s, subj, chain
+                    cur, identity, candidates, fps, canonical, pclass, window_s, subj, chain, fence
                 ),
                 outcome=False,
             )
@@ -317,6 +354,7 @@ class Ledger(QueryMixin):
         window_s: float | None,
         subject: str,
         chain: str,
+        fence: RunFence | None,
     ) -> _Outcome:
         q = self._q
         now = self._clock()
@@ -333,6 +371,7 @@ class Ledger(QueryMixin):
         found = cur.fetchall()
         if not found:
             self._check_absent(cur, chain, ids)
+            check_fence(cur, q, fence)
             sid, kid = candidates[0]
             new_cipher = self._cipher_in_txn(cur, subject)
             row: Row = {
@@ -415,13 +454,16 @@ class Ledger(QueryMixin):
             )
             return _Outcome("doubt", moved or row)
         if status == EffectStatus.NOT_HAPPENED.value:
-            moved = self._reclaim(cur, row, "reclaimed", resend=False)
+            moved = self._reclaim(cur, row, "reclaimed", resend=False, fence=fence)
             if moved is None:
                 return _Outcome("inflight", row)
             return _Outcome("claim", moved, self._claim_of(moved))
         return _Outcome("doubt", row)
 
-    def _reclaim(self, cur: Any, row: Row, event: str, *, resend: bool) -> Row | None:
+    def _reclaim(
+        self, cur: Any, row: Row, event: str, *, resend: bool, fence: RunFence | None
+    ) -> Row | None:
+        check_fence(cur, self._q, fence)
         now = self._clock()
         return self._transition(
             cur,
@@ -942,6 +984,7 @@ class Ledger(QueryMixin):
             UnknownEffect: No such entry.
         """
         ev = Evidence(evidence)
+        fence = current_fence()  # a re-send claim acts: fenced like any claim
 
         def txn(cur: Any) -> tuple[Row, bool]:
             row = self._locked_row(cur, key_id)
@@ -987,7 +1030,8 @@ class Ledger(QueryMixin):
                 and (row["first_sent_at"] or 0) + float(row["window_s"]) > now
             )
             if window_open:
-                return self._must(self._reclaim(cur, row, "resend", resend=True), key_id), True
+                resend = self._reclaim(cur, row, "resend", resend=True, fence=fence)
+                return self._must(resend, key_id), True
             changes = {**base, "status": EffectStatus.NEEDS_HUMAN.value}
             if ev is not Evidence.WINDOW_OPEN:
                 why = detail or "no evidence either way"

@@ -71,7 +71,8 @@ def operator(url: str | None, *, secrets: bool = False) -> Iterator[Operator]:
     """An :class:`Operator` on an existing database (the schema is never created here).
 
     The store's codec is lenient, so values of dataclasses this process has not
-    registered are shown rather than refused.
+    registered are shown rather than refused, and written back exactly as they were
+    stored (as :class:`checkpoint.Opaque` values) by every action that saves a state.
     """
     with Store.open(db_url(url), create=False, codec=Codec(strict=False)) as store:
         ledger = Ledger(store, keyring(required=secrets), create=False)
@@ -98,8 +99,9 @@ def emit_json(doc: Any) -> None:
 
 
 def plain(codec: Codec, value: Any) -> Any:
-    """A stored value as JSON (tagged values in the codec's canonical JSON form)."""
-    return json.loads(codec.encode(value))
+    """A stored value as JSON: tagged values in the codec's canonical JSON form, values
+    of types this process does not know as ``{"$unknown": tag, "value": ...}``."""
+    return codec.readable(value)
 
 
 def record_json(rec: EffectRecord) -> dict[str, object]:

@@ -11,8 +11,9 @@ from typing import Any, TypeVar
 
 from adapters import RetryPolicy, guard, step
 from checkpoint import ConfigurationError, Handoff, Store, subject_hash
-from ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
+from ledger import EffectRecord, Evidence, KeyReuseError, Ledger, OutcomeClass, ProviderClass
 
+from .errors import BranchesDiverged
 from .flow import End, Fail, Next, WaitFor
 
 __all__ = ["BranchContext", "StepContext"]
@@ -111,6 +112,7 @@ class StepContext(_Recording):
         self._waits = waits
         self._started_by = started_by
         self._clock = clock
+        self._parallel_calls = 0
 
     # -- transitions -------------------------------------------------------------------
     def next(self, step: str) -> Next:
@@ -234,28 +236,43 @@ class StepContext(_Recording):
         When a branch fails, the others still finish and record; the first error is
         raised after all have stopped. A resume of the step replays the recorded outputs
         and runs only the unfinished branches. Effects inside a branch are keyed by the
-        branch's own position (``step/branch``).
+        branch's own position: the step visit, which ``parallel`` call of the step this
+        is (a step may call it more than once, with names in common), and the branch's
+        name. The set of branch names is part of the step's recorded history: a resume
+        (after a deploy) that asks for other branches stops with
+        :class:`~onceonly.errors.BranchesDiverged` before any branch runs.
 
         Returns:
             Each branch's output (codec-encodable), by branch name.
+
+        Raises:
+            BranchesDiverged: The branch names differ from the ones this call recorded.
         """
         if not branches:
             return {}
-        memo_step = f"{self._pos.step}#{self._pos.visit}:branches"
         pos = self._pos
+        call = self._parallel_calls
+        self._parallel_calls += 1
+        names = sorted(branches)
+        try:
+            self.recorded("parallel@1", _branch_set, names)
+        except KeyReuseError as exc:
+            raise BranchesDiverged(pos.run_id, f"{pos.step}#{pos.visit}", call, names) from exc
+        # The first call keeps the positions of releases before calls were numbered.
+        base = f"{pos.step}#{pos.visit}" if call == 0 else f"{pos.step}#{pos.visit}.p{call}"
+        memo_step = f"{base}:branches"
 
         def run(name: str, fn: Callable[[BranchContext], T]) -> T:
             bctx = BranchContext(self.ledger, pos, name)
+            branch_step = f"{base}/{name}"
 
             def body() -> T:
                 with step(
                     pos.key_run,
-                    f"{pos.step}#{pos.visit}/{name}",
+                    branch_step,
                     visit=pos.visit,
                     tenant=pos.tenant,
-                    recorded=_recorded_keys(
-                        self.ledger, pos.key_run, f"{pos.step}#{pos.visit}/{name}"
-                    ),
+                    recorded=_recorded_keys(self.ledger, pos.key_run, branch_step),
                 ):
                     return fn(bctx)
 
@@ -266,11 +283,12 @@ class StepContext(_Recording):
                 retry=RetryPolicy(max_attempts=2, initial_s=0.0, max_s=0.0),
                 classify=_read_failed,
                 probe=_not_happened,
-                key=lambda: f"{pos.tenant}\x1f{pos.key_run}\x1f{memo_step}\x1f{name}",
-                tenant=pos.tenant,
                 subject=pos.key_run,  # the output is the run's data: erased with the run's
             )(body)
-            return memo()
+            # The memo sits at a position of the run (it belongs to the run: retention
+            # keeps it while the run lives), one per call and branch name.
+            with step(pos.key_run, memo_step, visit=pos.visit, tenant=pos.tenant):
+                return memo()
 
         workers = max_workers or len(branches)
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="branch") as pool:
@@ -283,6 +301,11 @@ class StepContext(_Recording):
         if errors:
             raise errors[0]  # type: ignore[misc]
         return {name: f.result() for name, f in futures.items()}
+
+
+def _branch_set(names: list[str]) -> list[str]:
+    """The recorded shape of a ``parallel`` call: its branch names."""
+    return names
 
 
 class BranchContext(_Recording):

@@ -3,17 +3,28 @@
 They extend the tree rooted in :class:`checkpoint.errors.OnceOnlyError`::
 
     OnceOnlyError
-    └── RunError                    a run cannot go on as asked
-        ├── ApprovalMismatch        the step acts on something other than what was approved
-        ├── RunNotResumable         the run is completed, failed or cancelled
-        └── FlowNotRegistered       no flow of the run's name is registered here
+    ├── RunError                    a run cannot go on as asked
+    │   ├── ApprovalMismatch        the step acts on something other than what was approved
+    │   ├── RunNotResumable         the run is completed, failed or cancelled
+    │   └── FlowNotRegistered       no flow of the run's name is registered here
+    └── StepDiverged (adapters)     a resumed step asked for other effects than recorded
+        └── BranchesDiverged        a resumed ``ctx.parallel`` call asked for other branches
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from adapters import StepDiverged
 from checkpoint import OnceOnlyError
 
-__all__ = ["ApprovalMismatch", "FlowNotRegistered", "RunError", "RunNotResumable"]
+__all__ = [
+    "ApprovalMismatch",
+    "BranchesDiverged",
+    "FlowNotRegistered",
+    "RunError",
+    "RunNotResumable",
+]
 
 
 class RunError(OnceOnlyError):
@@ -70,4 +81,33 @@ class FlowNotRegistered(RunError):
             run_id,
             f"run {run_id!r} belongs to flow {flow!r}, which is not registered with this "
             f"runtime or worker (pass it with --flows module:attribute)",
+        )
+
+
+class BranchesDiverged(StepDiverged):
+    """A resumed step's ``ctx.parallel`` call asked for other branches than its earlier
+    attempt recorded (a deploy renamed, added or removed a branch): a renamed branch
+    would send its effects again under its new name, so no branch was run.
+
+    Attributes:
+        run_id: The run.
+        step_id: The step (with its visit).
+        call: Which ``parallel`` call of the step visit (from 0).
+        names: The branch names asked for now.
+    """
+
+    def __init__(self, run_id: str, step_id: str, call: int, names: Sequence[str]) -> None:
+        self.run_id = run_id
+        self.step_id = step_id
+        self.call = call
+        self.names = tuple(names)
+        self.expected = None
+        self.got = None
+        self.remaining = ()
+        OnceOnlyError.__init__(
+            self,
+            f"step {step_id!r} of run {run_id!r}: parallel call {call} asks for branches "
+            f"{list(names)}, other than the ones its earlier attempt recorded; nothing was "
+            f"run. Deploy the code that recorded them (`onceonly runs retry {run_id}` then "
+            f"replays them), or settle this business in a new run",
         )

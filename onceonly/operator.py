@@ -9,12 +9,14 @@ re-fires an effect the ledger holds as committed.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from checkpoint import (
     CheckpointInfo,
+    ConcurrentWrite,
     ConfigurationError,
     Handoff,
     RetentionPolicy,
@@ -84,6 +86,9 @@ class Operator:
     ) -> None:
         self.store = store
         self.ledger = ledger
+        # An operator's writes are sealed like the runtime's (a store of its own gets the
+        # ledger's keys).
+        store.attach_integrity(ledger.keyring.row_keys())
         self.waits = Waits(store, clock=clock)
         self.clock = clock
 
@@ -165,14 +170,33 @@ class Operator:
 
     def cancel(self, run_id: str, *, actor: str, reason: str = "") -> Run:
         """Cancel a run: its open waits close and no step runs again. A step running now
-        finishes its current effect, and its checkpoint is refused."""
-        run = self.store.get_run(run_id)
-        if run.status in (RunStatus.COMPLETED, RunStatus.CANCELLED):
-            raise RunNotResumable(run_id, run.status.value, "it cannot be cancelled")
+        finishes the effect it is performing and claims no other: its next claim is
+        refused (the run fence), and its checkpoint too.
+
+        A worker's checkpoint that lands first is not an error: the cancel is applied on
+        top of it (looked at again, a few times).
+
+        Raises:
+            RunNotResumable: The run is completed or cancelled already.
+        """
+
+        def cancellable(run: Run) -> None:
+            if run.status in (RunStatus.COMPLETED, RunStatus.CANCELLED):
+                raise RunNotResumable(run_id, run.status.value, "it cannot be cancelled")
+
         self.waits.cancel_open(run_id, actor=actor, reason=reason)
         self._operator_checkpoint(
-            run_id, "operator:cancel", actor, reason or "cancelled", status=RunStatus.CANCELLED
+            run_id,
+            "operator:cancel",
+            actor,
+            reason or "cancelled",
+            status=RunStatus.CANCELLED,
+            expect=cancellable,
+            attempts=8,
         )
+        # A step that opened a wait after the first sweep has its checkpoint refused;
+        # close what it opened.
+        self.waits.cancel_open(run_id, actor=actor, reason=reason)
         return self.store.get_run(run_id)
 
     def retry(self, run_id: str, *, actor: str, reason: str = "") -> Run:
@@ -186,10 +210,10 @@ class Operator:
             RunNotResumable: The run is not failed, or it failed on a wait (a rejection
                 or an expiry with no step to take): fork it from before the wait.
         """
-        run = self.store.get_run(run_id)
-        if run.status is not RunStatus.FAILED:
+        run, snap = self.store.load_run(run_id)
+        if run.status is not RunStatus.FAILED or snap is None:
             raise RunNotResumable(run_id, run.status.value, "only a failed run is retried")
-        meta = dict(self.store.load(run_id).state.get(META) or {})
+        meta = dict(snap.state.get(META) or {})
         error = dict(meta.get("error") or {})
         failed = str(error.get("step") or "")
         visits = dict(meta.get("visits") or {})
@@ -215,6 +239,7 @@ class Operator:
             status=RunStatus.RUNNING,
             next_step=nxt,
             meta_update={"visits": visits, "next": nxt},
+            parent=snap.info.seq,
         )
         self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
         return self.store.get_run(run_id)
@@ -253,16 +278,7 @@ class Operator:
         meta["forked_from"] = {"run": run_id, "seq": seq, "by": actor, "reason": reason}
         meta["key_run"] = meta.get("key_run") or run_id
         meta["error"] = None
-        new = self.store.create_run(
-            origin.flow,
-            run_id=new_run_id,
-            code_version=origin.code_version,
-            state_version=snap.info.schema_version,
-            next_step=nxt,
-            handoff=origin.handoff,
-            status=RunStatus.WAITING,
-            key_run=str(meta["key_run"]),  # gc keeps the origin while the fork lives
-        ).run_id
+        new = new_run_id or uuid.uuid4().hex
         # Parked on an in-doubt effect: if it is settled now, the step just runs again
         # (the effect replays, or is sent if it did not happen); else park the fork too.
         if (
@@ -272,13 +288,14 @@ class Operator:
         ):
             waiting = None
             meta["waiting"] = None
+        also = None
         if waiting:  # ask again: a decision of the origin does not carry over
             name = str(waiting["name"])
-            old = self.waits.get(run_id, name)
+            old = self.waits.get(run_id, name, waiting.get("instance"))
             due = old.due_at
             if old.kind is WaitKind.APPROVAL and due is not None:
                 due = self.clock() + max(0.0, due - old.created_at)  # the same time to decide
-            self.waits.open(
+            also = self.waits.opening(
                 new,
                 name,
                 old.kind,
@@ -286,11 +303,26 @@ class Operator:
                 subject=old.subject,
                 requested_by=old.requested_by,
                 allow_self=old.allow_self,
+                opened_by=old.opened_by,
             )
+            meta["waiting"] = {**waiting, "instance": 0}  # the new run's first of the name
         state[META] = meta
-        status = RunStatus.WAITING if waiting else RunStatus.RUNNING
-        self.store.save(
-            new, state, step="operator:fork", next_step=nxt, status=status, source=Source.OPERATOR
+        # The run, its first checkpoint, its wait and its link to the key run, in one
+        # transaction that also checks the key run still exists (retention keeps it, and
+        # its effects, from then on): a fork never re-sends an effect its origin made.
+        self.store.start_run(
+            origin.flow,
+            state,
+            run_id=new,
+            step="operator:fork",
+            code_version=origin.code_version,
+            state_version=snap.info.schema_version,
+            next_step=nxt,
+            handoff=origin.handoff,
+            status=RunStatus.WAITING if waiting else RunStatus.RUNNING,
+            source=Source.OPERATOR,
+            key_run=str(meta["key_run"]),
+            also=also,
         )
         if waiting:
             self.waits.wake_if_settled(new, str(waiting["name"]))
@@ -358,25 +390,62 @@ class Operator:
         status: RunStatus | None = None,
         next_step: str | None = None,
         meta_update: dict[str, Any] | None = None,
+        expect: Callable[[Run], None] | None = None,
+        parent: int | None = None,
+        attempts: int = 1,
     ) -> CheckpointInfo:
+        """Write an operator's checkpoint on top of the run's head as read together with
+        the run row (``expect`` checks that row; ``parent`` pins the head the caller
+        decided on). A head another writer advanced meanwhile is ``ConcurrentWrite``,
+        or, with ``attempts`` > 1, the action is applied again on the new head."""
         if not actor.strip():
             raise ConfigurationError(f"{step} needs the operator's identity")
-        snap = self.store.load(run_id)
-        state = snap.state
-        meta = dict(state.get(META) or {})
-        log = list(meta.get("operator_log") or [])
-        entry: dict[str, Any] = {"at": self.clock(), "by": actor, "action": step, "reason": reason}
-        if set_channel is not None:
-            entry["channel"] = set_channel[0]
-            state[set_channel[0]] = set_channel[1]
-        log.append(entry)
-        meta["operator_log"] = log
-        if status is RunStatus.RUNNING:
-            meta["error"] = None
-        meta.update(meta_update or {})
-        state[META] = meta
-        if next_step is None:
-            return self.store.save(run_id, state, step=step, status=status, source=Source.OPERATOR)
-        return self.store.save(
-            run_id, state, step=step, next_step=next_step, status=status, source=Source.OPERATOR
-        )
+        for attempt in range(1, attempts + 1):
+            run, snap = self.store.load_run(run_id)
+            if expect is not None:
+                expect(run)
+            if snap is None:
+                raise RunNotResumable(run_id, run.status.value, "it has no checkpoint yet")
+            if parent is not None and snap.info.seq != parent:
+                raise ConcurrentWrite(run_id, parent)
+            state = snap.state
+            meta = dict(state.get(META) or {})
+            log = list(meta.get("operator_log") or [])
+            entry: dict[str, Any] = {
+                "at": self.clock(),
+                "by": actor,
+                "action": step,
+                "reason": reason,
+            }
+            if set_channel is not None:
+                entry["channel"] = set_channel[0]
+                state[set_channel[0]] = set_channel[1]
+            log.append(entry)
+            meta["operator_log"] = log
+            if status is RunStatus.RUNNING:
+                meta["error"] = None
+            meta.update(meta_update or {})
+            state[META] = meta
+            try:
+                if next_step is None:
+                    return self.store.save(
+                        run_id,
+                        state,
+                        step=step,
+                        status=status,
+                        source=Source.OPERATOR,
+                        parent=snap.info.seq,
+                    )
+                return self.store.save(
+                    run_id,
+                    state,
+                    step=step,
+                    next_step=next_step,
+                    status=status,
+                    source=Source.OPERATOR,
+                    parent=snap.info.seq,
+                )
+            except ConcurrentWrite:
+                if attempt == attempts:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover

@@ -20,6 +20,7 @@ import contextlib
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -54,6 +55,9 @@ from ledger import (
     Ledger,
     LedgerError,
     LedgerUnavailable,
+    RunFence,
+    RunFenced,
+    run_fence,
 )
 
 from .context import StepContext, _Position, _recorded_keys
@@ -144,24 +148,8 @@ class Runtime:
         initial = dict(state or {})
         if META in initial:
             raise ConfigurationError(f"the state channel {META!r} is reserved")
-        try:
-            # Created waiting (nothing wakes it) until its first checkpoint exists, so no
-            # worker can pick up a run without state.
-            rid = self.store.create_run(
-                f.name,
-                run_id=run_id,
-                code_version=f.version,
-                state_version=f.state_version,
-                next_step=f.start,
-                handoff=handoff,
-                status=RunStatus.WAITING,
-            ).run_id
-        except RunExists:
-            assert run_id is not None
-            if self.store.get_run(run_id).head_seq is not None:
-                return run_id
-            rid = run_id
-        meta: dict[str, Any] = {
+        rid = run_id or uuid.uuid4().hex
+        initial[META] = {
             "visits": {},
             "waiting": None,
             "waits": {},
@@ -169,21 +157,34 @@ class Runtime:
             "started_by": started_by,
             "next": f.start,
         }
-        initial[META] = meta
-        store = self.store
         try:
-            # Only ever the run's first checkpoint: a starter that finds one (another
-            # starter won the race) leaves it alone instead of writing a second on top.
-            store.save(
-                rid,
+            # The run and its first checkpoint in one transaction: a state the codec
+            # cannot encode fails here with nothing written, and no worker ever sees a
+            # run without state.
+            self.store.start_run(
+                f.name,
                 initial,
-                step="start",
+                run_id=rid,
+                code_version=f.version,
+                state_version=f.state_version,
                 next_step=f.start,
+                handoff=handoff,
                 status=RunStatus.RUNNING,
-                parent=-1,
             )
-        except ConcurrentWrite:
-            return rid  # another process started the same run id at the same moment
+        except RunExists:
+            if self.store.get_run(rid).head_seq is None:
+                # Created by an earlier release that wrote the run and its first
+                # checkpoint apart: finish its start (only ever the first checkpoint).
+                with contextlib.suppress(ConcurrentWrite):
+                    self.store.save(
+                        rid,
+                        initial,
+                        step="start",
+                        next_step=f.start,
+                        status=RunStatus.RUNNING,
+                        parent=-1,
+                    )
+            return rid
         self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
         return rid
 
@@ -219,6 +220,9 @@ class Runtime:
         finally:
             # On a database error the lease lapses on its own; the original error matters.
             with contextlib.suppress(StoreError):
+                # The run suspends or exits here: what this process queued (async / exit
+                # durability) is durable before another worker may take the run.
+                self.store.flush()
                 if hold_until is None:
                     self.store.release_lease(run_id, self.owner)
                 else:
@@ -231,12 +235,27 @@ class Runtime:
         return self.store.get_run(run_id)
 
     def step_once(self, run_id: str) -> bool:
-        """Run the run's next step (or settle its wait). Returns whether more is ready."""
-        run = self.store.get_run(run_id)
-        if run.status in _TERMINAL:
+        """Run the run's next step (or settle its wait). Returns whether more is ready.
+
+        The run row and its head checkpoint are read as one snapshot (one source for the
+        status, the next step and the visits, in every durability mode), and every
+        effect the step claims is fenced on that snapshot: if the run is cancelled, or
+        another writer advances it, or another worker takes its lease while the step
+        runs, its next claim is refused before anything is sent and the step's work is
+        dropped.
+        """
+        run, snap = self.store.load_run(run_id)
+        if run.status in _TERMINAL or snap is None:
             return False
         flow = self._flow(run_id, run.flow)
-        snap = self.store.load(run_id, migrations=flow.migrations)
+        mig = flow.migrations
+        if mig is not None and snap.info.schema_version != mig.current:
+            try:
+                run, snap = self.store.load_run(run_id, migrations=mig)
+            except ConcurrentWrite:
+                return True  # another writer advanced the run: look again
+            if run.status in _TERMINAL or snap is None:
+                return False
         state = snap.state
         meta = dict(state.pop(META, None) or {})
         parent = snap.info.seq
@@ -244,6 +263,7 @@ class Runtime:
             return self._settle_wait(run, state, meta, parent)
         if run.status is not RunStatus.RUNNING:
             return False
+        fence = RunFence(run_id, snap.info.seq, snap.info.digest, owner=self.owner)
         if run.next_step is None:
             # Running with nothing to run (a run retried after it failed at a wait): fail
             # it again rather than let workers claim it forever.
@@ -264,10 +284,16 @@ class Runtime:
                 only_meta=True,
             )
             return False
-        return self._run_step(run, flow, state, meta, parent)
+        return self._run_step(run, flow, state, meta, parent, fence)
 
     def _run_step(
-        self, run: Run, flow: Flow, state: dict[str, Any], meta: dict[str, Any], parent: int
+        self,
+        run: Run,
+        flow: Flow,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        parent: int,
+        fence: RunFence,
     ) -> bool:
         failpoint("runtime.step.before")
         name = str(run.next_step)
@@ -294,10 +320,18 @@ class Runtime:
             recorded = _recorded_keys(self.ledger, key_run, step_id)
             span.set_attribute("onceonly.step.resumed", bool(recorded))
             try:
-                with step(key_run, step_id, visit=visit, tenant=flow.tenant, recorded=recorded):
+                with (
+                    run_fence(fence),
+                    step(key_run, step_id, visit=visit, tenant=flow.tenant, recorded=recorded),
+                ):
                     transition = fn(ctx)
             except (LedgerUnavailable, StoreError):
                 raise  # fail closed: nothing more is acted on by this worker
+            except RunFenced as fenced:
+                # The run moved on under the step (cancelled, edited, taken by another
+                # worker): nothing of the step is kept; a moved run is looked at again.
+                span.set_attribute("onceonly.step.fenced", fenced.reason)
+                return fenced.reason == "moved"
             except EffectInDoubt as doubt:
                 return self._park_in_doubt(run, meta, doubt, parent)
             except EffectInFlight as busy:
@@ -330,7 +364,7 @@ class Runtime:
         done = dict(meta)
         done["visits"] = {**visits, name: visit + 1}
         try:
-            return self._transition(run, flow, name, ctx, done, transition, parent)
+            return self._transition(run, flow, step_id, ctx, done, transition, parent)
         except (ConfigurationError, WaitRefused, CodecError) as exc:
             # The step's code asked for something impossible (a missing step, a wait name
             # reused for another kind or subject, an unencodable value): nothing of the
@@ -341,12 +375,13 @@ class Runtime:
         self,
         run: Run,
         flow: Flow,
-        name: str,
+        step_id: str,
         ctx: StepContext,
         meta: dict[str, Any],
         t: Transition,
         parent: int,
     ) -> bool:
+        name = step_id.rpartition("#")[0]
         state = dict(ctx.state)
         if isinstance(t, Next):
             flow.get(t.step)  # a typo fails here, before the checkpoint
@@ -366,7 +401,9 @@ class Runtime:
             for other in (t.on_reject, t.on_expire):
                 if other is not None:
                     flow.get(other)
-            self.waits.open(
+            # The wait belongs to this step visit: a loop's next pass that waits under the
+            # same name gets a new, undecided wait (never this one's decision).
+            wait = self.waits.open(
                 run.run_id,
                 t.name,
                 t.kind,
@@ -374,9 +411,11 @@ class Runtime:
                 subject=t.subject,
                 requested_by=t.requested_by,
                 allow_self=t.allow_self,
+                opened_by=step_id,
             )
             meta["waiting"] = {
                 "name": t.name,
+                "instance": wait.instance,
                 "kind": t.kind,
                 "then": t.then,
                 "on_reject": t.on_reject,
@@ -386,10 +425,11 @@ class Runtime:
             if not self._save(
                 run, name, state, meta, t.then, RunStatus.WAITING, ctx.handoff, parent=parent
             ):
+                self._drop_orphan_wait(run.run_id)
                 return False
             # A decision that landed between opening the wait and saving the checkpoint
             # found the run still running: wake it here.
-            return self.waits.wake_if_settled(run.run_id, t.name)
+            return self.waits.wake_if_settled(run.run_id, t.name, wait.instance)
         raise ConfigurationError(
             f"step {name!r} of flow {flow.name!r} returned {t!r}; return ctx.next(...), "
             f"ctx.end(), ctx.fail(...) or a ctx.wait_for_*/sleep(...) transition"
@@ -400,11 +440,22 @@ class Runtime:
     ) -> bool:
         waiting = dict(meta["waiting"])
         name = str(waiting["name"])
-        wait = self.waits.fire_if_due(run.run_id, name)
+        instance = waiting.get("instance")  # None: a checkpoint of an earlier release
+        wait = self.waits.fire_if_due(run.run_id, name, instance)
         if not wait.settled:
             if run.status is RunStatus.RUNNING:  # woken for something else: wait again
-                self.store.update_run(run.run_id, status=RunStatus.WAITING)
-                return self.waits.wake_if_settled(run.run_id, name)
+                try:
+                    # Only from the snapshot this decision was made on: an operator's
+                    # cancel or edit since then stands.
+                    self.store.update_run(
+                        run.run_id,
+                        status=RunStatus.WAITING,
+                        expect_status=RunStatus.RUNNING,
+                        expect_head=parent,
+                    )
+                except ConcurrentWrite:
+                    return True
+                return self.waits.wake_if_settled(run.run_id, name, wait.instance)
             return False
         nxt, status = self._after(wait, waiting)
         record: dict[str, Any] = {
@@ -427,6 +478,14 @@ class Runtime:
             meta["error"] = {"step": f"wait:{name}", "type": "Wait", "message": wait.status.value}
         ok = self._save(run, f"wait:{name}", state, meta, nxt, status, run.handoff, parent=parent)
         return ok and status is RunStatus.RUNNING
+
+    def _drop_orphan_wait(self, run_id: str) -> None:
+        """The step's checkpoint was refused (another writer advanced the run): if that
+        writer ended the run (a cancel), close the wait the step opened, so no inbox
+        shows a request nobody will act on."""
+        with contextlib.suppress(StoreError):
+            if self.store.get_run(run_id).status in _TERMINAL:
+                self.waits.cancel_open(run_id, actor=self.owner, reason="the run ended")
 
     @staticmethod
     def _after(wait: Wait, waiting: Mapping[str, Any]) -> tuple[str | None, RunStatus]:

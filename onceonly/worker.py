@@ -10,10 +10,23 @@ signal) or the poll interval passes (timers; SQLite).
 
 :meth:`Worker.stop` (SIGTERM, SIGINT) drains: the current step finishes and checkpoints,
 the lease is released, and :meth:`Worker.run` returns; a second signal stops the process
-at once, as a crash would (the run resumes from its last checkpoint elsewhere). A
-database error stops the worker (fail closed); the next start recovers from disk. A run
-this worker cannot run (its flow, step or state version is unknown to this code, or a
-record of it fails its integrity check) is logged and skipped: it is leased to
+at once, as a crash would (the run resumes from its last checkpoint elsewhere).
+
+A database that is briefly unavailable (a PostgreSQL restart or failover, a terminated
+connection, a SQLite lock held past ``busy_timeout``) does not end the worker. Each
+database call is retried by the store (:class:`checkpoint.DatabaseRetry`); when one still
+fails, the worker logs it, pauses (growing, capped), and tries again for as long as it
+takes, re-opening its ``LISTEN`` connection, and ``stop()`` still ends it promptly while
+it is idle. A step stopped by such a failure has acted on nothing the ledger did not
+record, or its effect is in doubt: the run's lease is released (or lapses), and before the
+worker acts again its ledger starts again from what is on disk
+(:meth:`ledger.Ledger.recover`), as a restarted worker would, so the step runs again, its
+recorded effects replay and the unrecorded one is reconciled. Any other database error (a
+disk I/O error, a full disk) stops the worker (fail closed); the next start recovers from
+disk.
+
+A run this worker cannot run (its flow, step or state version is unknown to this code, or
+a record of it fails its integrity check) is logged and skipped: it is leased to
 ``<owner>:skipped`` until that lease lapses, so the worker goes on with other runs and a
 worker with other code may take it later.
 """
@@ -29,7 +42,14 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from checkpoint import LeaseHeld, OnceOnlyError, StoreError
+from checkpoint import (
+    LeaseHeld,
+    OnceOnlyError,
+    Store,
+    StoreError,
+    interrupt_retries,
+    is_transient,
+)
 from checkpoint.waits import NOTIFY_CHANNEL
 from ledger import LedgerUnavailable
 
@@ -49,12 +69,14 @@ class WorkerStats:
         claim_conflicts: Runs it claimed but found leased by another worker.
         leases_lost: Leases it failed to renew (another worker took the run).
         runs_skipped: Runs it claimed but could not run (see the module docstring).
+        outages: Database failures it rode out (paused, then carried on).
     """
 
     runs_driven: int = 0
     claim_conflicts: int = 0
     leases_lost: int = 0
     runs_skipped: int = 0
+    outages: int = 0
 
 
 class Worker:
@@ -72,6 +94,8 @@ class Worker:
         self.poll_s = poll_s
         self.stats = WorkerStats()
         self._stop = threading.Event()
+        self._failures = 0  # database failures in a row
+        self._recover = False  # the ledger starts again from disk before acting again
 
     def stop(self) -> None:
         """Drain: finish the current step, release the run, return from :meth:`run`."""
@@ -99,10 +123,12 @@ class Worker:
 
     def run(self, *, until_idle: bool = False, max_runs: int | None = None) -> WorkerStats:
         """Claim and drive runs until stopped (or, with ``until_idle``, until none is
-        ready; or after ``max_runs``).
+        ready; or after ``max_runs``). A database that is briefly unavailable is waited
+        for (see the module docstring).
 
         Raises:
-            StoreError / LedgerUnavailable: The database failed; the worker stopped.
+            StoreError / LedgerUnavailable: The database failed in a way that does not pass
+                by itself (a disk I/O error); the worker stopped.
         """
         rt = self.runtime
         log.info(
@@ -112,19 +138,37 @@ class Worker:
             self.poll_s,
             self.batch,
         )
-        with self._listener() as listener:
+        with contextlib.closing(_Listener(rt.store, self._stop)) as listener:
             while not self.stopping:
                 if max_runs is not None and self.stats.runs_driven >= max_runs:
                     break
-                ids = rt.waits.claim_ready(rt.owner, rt.lease_s, limit=self.batch)
+                try:
+                    # Idle: the store's retries end at once when stop() is called.
+                    with interrupt_retries(self._stop):
+                        if self._recover:
+                            rt.ledger.recover()
+                            self._recover = False
+                            log.info("the database answers again: carrying on from disk")
+                        ids = rt.waits.claim_ready(rt.owner, rt.lease_s, limit=self.batch)
+                except OnceOnlyError as exc:
+                    if not is_transient(exc):
+                        raise  # fail closed: the worker stops
+                    self._outage("claiming runs", exc)
+                    continue
+                self._failures = 0
                 if not ids:
                     if until_idle:
                         break
-                    self._idle(listener)
+                    listener.wait(self.poll_s)
                     continue
                 for rid in ids:
+                    if self._recover:
+                        # A database failure stopped an earlier run of this round: leave
+                        # the rest under our lease (ours counts as free to us) until the
+                        # ledger has started again.
+                        continue
                     if self._stop.is_set():  # stopped while an earlier run was driven
-                        rt.store.release_lease(rid, rt.owner)
+                        self._release(rid)
                         continue
                     self._drive(rid)
         return self.stats
@@ -138,9 +182,14 @@ class Worker:
         except LeaseHeld:
             self.stats.claim_conflicts += 1
             return
-        except (StoreError, LedgerUnavailable):
-            raise  # fail closed: the worker stops
         except OnceOnlyError as exc:
+            if is_transient(exc):
+                # Nothing was acted on that the ledger did not record, or the effect is
+                # in doubt; the run's lease was released (or lapses).
+                self._outage(f"run {run_id}", exc)
+                return
+            if isinstance(exc, StoreError | LedgerUnavailable):
+                raise  # fail closed: the worker stops
             # This code cannot run the run (unknown flow, step or state version; a corrupt
             # record). Park it under a lease of another name until that lapses: a lease
             # under our own name would count as free and be claimed again at once, so
@@ -154,6 +203,34 @@ class Worker:
         self.stats.runs_driven += 1
         log.info("run %s: %s (next %s)", run_id, run.status.value, run.next_step)
 
+    def _outage(self, what: str, exc: BaseException) -> None:
+        """A transient database failure: log it, have the ledger start again from disk
+        before anything is acted on again, and pause (growing, capped; stop() ends it)."""
+        self.stats.outages += 1
+        self._failures += 1
+        self._recover = True
+        pause = self.runtime.store.retry.pause(self._failures)
+        log.warning(
+            "%s: the database is unavailable (%s); trying again in %.1f s (failure %d in a "
+            "row); nothing is acted on meanwhile",
+            what,
+            _describe(exc),
+            pause,
+            self._failures,
+        )
+        self._stop.wait(pause)
+
+    def _release(self, run_id: str) -> None:
+        """Give a claimed run back; if the database does not answer, its lease lapses."""
+        rt = self.runtime
+        try:
+            with interrupt_retries(self._stop):
+                rt.store.release_lease(run_id, rt.owner)
+        except StoreError as exc:
+            if not exc.transient:
+                raise
+            log.warning("run %s: lease not released (%s); it lapses", run_id, _describe(exc))
+
     @contextlib.contextmanager
     def _renewing(self, run_id: str) -> Iterator[threading.Event]:
         """Renew the run's lease every third of its length; the yielded event is set if
@@ -165,7 +242,8 @@ class Worker:
         def renew() -> None:
             while not done.wait(rt.lease_s / 3):
                 try:
-                    rt.store.acquire_lease(run_id, rt.owner, rt.lease_s)
+                    with interrupt_retries(done):  # the drive ended: stop retrying
+                        rt.store.acquire_lease(run_id, rt.owner, rt.lease_s)
                 except LeaseHeld:
                     self.stats.leases_lost += 1
                     lost.set()
@@ -182,40 +260,97 @@ class Worker:
             done.set()
             thread.join()
 
-    @contextlib.contextmanager
-    def _listener(self) -> Iterator[Any]:
-        store = self.runtime.store
-        if store.dialect != "postgresql":
-            yield None
-            return
+
+class _Listener:
+    """An idle worker's wake-up call: PostgreSQL ``LISTEN`` on a connection of its own
+    (SQLite: none, the worker polls).
+
+    A connection that fails (a server restart, ``pg_terminate_backend``) is closed and
+    opened again on the next wait; until that succeeds the worker polls. Whether the
+    database is gone for good (the password was changed) is for the claim rounds to find
+    out: their store classifies the error and stops the worker.
+    """
+
+    def __init__(self, store: Store, stop: threading.Event) -> None:
+        self._store = store
+        self._stop = stop
+        self._conn: Any = None
+        self._failures = 0
+        self._url: str | None = None
+        if store.dialect == "postgresql":
+            self._url = store.engine.url.set(drivername="postgresql").render_as_string(
+                hide_password=False
+            )
+            self._open()
+
+    def close(self) -> None:
+        """Close the connection (if any)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # it may be broken already
+                conn.close()
+
+    def _open(self) -> bool:
         import psycopg  # noqa: PLC0415  (PostgreSQL only)
 
-        url = store.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        conn = psycopg.connect(url, autocommit=True)
+        assert self._url is not None
+        try:
+            conn = psycopg.connect(self._url, autocommit=True, connect_timeout=10)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            self._failed(exc)
+            return False
         try:
             conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            yield conn
-        finally:
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             conn.close()
+            self._failed(exc)
+            return False
+        if self._failures:
+            log.info("listening for ready runs again")
+        self._failures = 0
+        self._conn = conn
+        return True
 
-    def _idle(self, listener: Any) -> None:
-        if listener is None:
-            self._stop.wait(self.poll_s)
+    def _failed(self, exc: BaseException) -> None:
+        self.close()
+        self._failures += 1
+        # The first failure of a streak is news; the rest are the same outage.
+        log.log(
+            logging.WARNING if self._failures == 1 else logging.DEBUG,
+            "the LISTEN connection failed (%s); polling until it is open again",
+            _describe(exc),
+        )
+
+    def wait(self, poll_s: float) -> None:
+        """Sleep until a NOTIFY, stop(), or ``poll_s`` (timers; SQLite)."""
+        if self._url is None:
+            self._stop.wait(poll_s)
+            return
+        if self._conn is None and not self._open():
+            self._stop.wait(min(poll_s, self._store.retry.pause(self._failures)))
             return
         # Wake on NOTIFY, on stop (checked every 0.25 s) or after poll_s (timers).
+        listener = self._conn
         waited = 0.0
-        while waited < self.poll_s and not self.stopping:
-            slice_s = min(0.25, self.poll_s - waited)
-            with contextlib.closing(listener.notifies(timeout=slice_s, stop_after=1)) as got:
-                woken = next(got, None) is not None
-            if woken:
-                # One claim round answers every notification queued while this worker
-                # was busy: drop them rather than run an empty round for each. (The
-                # generator above is closed first: it holds the connection's lock.)
-                for _ in listener.notifies(timeout=0):
-                    pass
-                return
-            waited += slice_s
+        try:
+            while waited < poll_s and not self._stop.is_set():
+                slice_s = min(0.25, poll_s - waited)
+                with contextlib.closing(listener.notifies(timeout=slice_s, stop_after=1)) as got:
+                    woken = next(got, None) is not None
+                if woken:
+                    # One claim round answers every notification queued while this worker
+                    # was busy: drop them rather than run an empty round for each. (The
+                    # generator above is closed first: it holds the connection's lock.)
+                    for _ in listener.notifies(timeout=0):
+                        pass
+                    return
+                waited += slice_s
+        except Exception as exc:
+            import psycopg  # noqa: PLC0415  (PostgreSQL only)
+
+            if not isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+                raise
+            self._failed(exc)
 
 
 def _log_resume(rt: Runtime, run_id: str) -> None:
@@ -236,3 +371,10 @@ def _log_resume(rt: Runtime, run_id: str) -> None:
         "; ".join(note.next) or "-",
         "; ".join(note.ruled_out) or "-",
     )
+
+
+def _describe(exc: BaseException) -> str:
+    """A failure in one line for the log: its type and the start of its message (driver
+    messages name the host or socket, never the password)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:200]}"

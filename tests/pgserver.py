@@ -44,7 +44,8 @@ def _as_owner(cmd: list[str]) -> list[str]:
 
 
 def start(base: Path) -> str:
-    """Initialise and start a cluster under ``base``; return its SQLAlchemy URL."""
+    """Initialise (unless it was before: a restart after :func:`stop`) and start a
+    cluster under ``base``; return its SQLAlchemy URL."""
     base.mkdir(parents=True, exist_ok=True)
     data, sock = base / "data", base / "sock"
     sock.mkdir(exist_ok=True)
@@ -53,24 +54,25 @@ def start(base: Path) -> str:
         shutil.chown(sock, "postgres", "postgres")
         base.chmod(0o700)
     bindir = _bindir()
-    subprocess.run(
-        _as_owner(
-            [
-                str(bindir / "initdb"),
-                "-D",
-                str(data),
-                "-U",
-                "postgres",
-                "-A",
-                "trust",
-                "--no-sync",
-                "-E",
-                "UTF8",
-            ]
-        ),
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
+    if not (data / "PG_VERSION").exists():
+        subprocess.run(
+            _as_owner(
+                [
+                    str(bindir / "initdb"),
+                    "-D",
+                    str(data),
+                    "-U",
+                    "postgres",
+                    "-A",
+                    "trust",
+                    "--no-sync",
+                    "-E",
+                    "UTF8",
+                ]
+            ),
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     subprocess.run(
         _as_owner(
             [

@@ -9,19 +9,23 @@ oracle for effects is the fake provider's outbox, never the ledger.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
 
+from adapters import guard
 from checkpoint import (
+    CodecError,
     ConfigurationError,
     RunStatus,
     Store,
@@ -32,7 +36,9 @@ from checkpoint import (
 from ledger import Claim, EffectIdentity, EffectInDoubt, EffectStatus, InvalidTransition, LeaseLost
 from onceonly._cli_common import format_duration, parse_duration
 from onceonly.cli import cli
+from onceonly.context import StepContext
 from onceonly.errors import RunNotResumable
+from onceonly.flow import Flow, Transition
 from onceonly.runtime import Runtime
 from tests.ledger_support import K1, Clock, Ledgers
 from tests.operator_flows import FLOWS, deliveries
@@ -577,15 +583,193 @@ def test_gc_keeps_what_a_live_fork_replays_from(env: Env, ledgers: Ledgers) -> N
     env.cli("signal", "f1", "ack")
     assert worker.drive("f1").status is RunStatus.COMPLETED
     time.sleep(0.05)
-    # Once both are finished and old, a gc pass removes the fork, and the next the origin.
-    assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 1
-    assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 1
+    # Once both are finished and old, one gc pass removes the fork and then its origin.
+    assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 2
+    assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 0
 
 
 def test_gc_human_output(env: Env) -> None:
     out = env.cli("gc", "--older-than", "1h30m").stdout
     assert "removed 0 run(s)" in out
     assert "older than 1h30m" in out
+
+
+# -- values of types the CLI does not know -----------------------------------------------------
+#
+# The CLI has no registry of the user's dataclasses: it decodes them to placeholders and must
+# write them back exactly, whatever it saves (a fork's first checkpoint, a keyframe written
+# by an edit, a cancel or a retry), so that the worker, which knows the types, gets them back.
+
+
+@dataclass(frozen=True)
+class Line:
+    sku: str
+    qty: int
+    price: Decimal
+
+
+@dataclass(frozen=True)
+class Invoice:
+    number: str
+    to: str
+    lines: tuple[Line, ...]
+    due: dt.date
+    tags: frozenset[str]
+
+    def total(self) -> Decimal:
+        return sum((line.price * line.qty for line in self.lines), Decimal(0))
+
+
+INVOICE = Invoice(
+    "2041",
+    "ann@x",
+    (Line("a", 2, Decimal("12.50")), Line("b", 1, Decimal("0.10"))),
+    dt.date(2031, 1, 31),
+    frozenset({"eu", "net-30"}),
+)
+BILLING = Flow("billing")
+
+
+@BILLING.step(start=True)
+def prepare(ctx: StepContext) -> Transition:
+    if ctx.state.get("broken"):
+        return ctx.fail("the invoice is not ready")
+    invoice: Invoice = ctx.state["invoice"]  # a dict here would fail the next line
+    ctx.state["total"] = invoice.total()
+    return ctx.wait_for_approval("bill", {"invoice": invoice}, then="bill")
+
+
+@BILLING.step
+def bill(ctx: StepContext) -> Transition:
+    invoice: Invoice = ctx.state["invoice"]
+    ctx.approved("bill", {"invoice": invoice})  # exactly what was approved, hash and all
+    text = f"invoice {invoice.number}: {invoice.total()} due {invoice.due.isoformat()}"
+    deliver = guard(ctx.ledger, effect="deliver@1")(_deliver)
+    ctx.state["receipt"] = deliver(str(ctx.state["outbox"]), invoice.to, text)
+    return ctx.end({"invoice": invoice, "receipt": ctx.state["receipt"]})
+
+
+def _deliver(outbox: str, to: str, text: str) -> dict[str, Any]:
+    with open(outbox, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"to": to, "text": text}) + "\n")
+    return {"to": to}
+
+
+@pytest.fixture
+def billing(env: Env) -> Env:
+    """``env`` whose worker runs the billing flow with a codec that knows its types."""
+    env.store.codec.register(Line, name="tests.line.v1")
+    env.store.codec.register(Invoice, name="tests.invoice.v1")
+    env.runtime = Runtime(env.store, env.runtime.ledger, [BILLING], owner="w1")
+    return env
+
+
+def _start_billing(env: Env, run_id: str, **state: Any) -> str:
+    rid = env.runtime.start(
+        "billing", {"invoice": INVOICE, "outbox": str(env.outbox), **state}, run_id=run_id
+    )
+    env.drive(rid)
+    return rid
+
+
+def _approve_bill(env: Env, run_id: str) -> None:
+    env.cli("approve", run_id, "bill", "--hash", env.hash_of(run_id, "bill"), "--as", "bob")
+
+
+def _keyframe_next(env: Env, run_id: str) -> None:
+    """An edit large enough that the CLI's next checkpoint of the run is a keyframe (the
+    whole state, every value re-encoded by the CLI's codec)."""
+    note = json.dumps(os.urandom(1900).hex())  # inline (under a blob's size), incompressible
+    env.cli("runs", "edit", run_id, "note", "--value", note, "--reason", "r")
+
+
+def _written_by_the_cli(env: Env, run_id: str) -> list[str]:
+    history = env.json("runs", "show", run_id)["history"]
+    return [h["step"] for h in history if h["keyframe"] and h["source"] == "operator"]
+
+
+def test_a_fork_through_the_cli_keeps_dataclasses_it_cannot_decode(billing: Env) -> None:
+    env = billing
+    rid = _start_billing(env, "b1")
+    shown = env.json("runs", "show", rid)
+    placeholder = {
+        "$unknown": "tests.invoice.v1",
+        "value": {
+            "due": {"\u0000d": "2031-01-31"},
+            "lines": {
+                "\u0000t": [
+                    {
+                        "$unknown": "tests.line.v1",
+                        "value": {"price": {"\u0000n": "12.50"}, "qty": 2, "sku": "a"},
+                    },
+                    {
+                        "$unknown": "tests.line.v1",
+                        "value": {"price": {"\u0000n": "0.10"}, "qty": 1, "sku": "b"},
+                    },
+                ]
+            },
+            "number": "2041",
+            "tags": {"\u0000F": ["eu", "net-30"]},
+            "to": "ann@x",
+        },
+    }
+    assert shown["state"]["invoice"] == placeholder  # shown readably, not refused
+    assert shown["waits"][0]["subject"] == {"invoice": placeholder}
+    _approve_bill(env, rid)
+    assert env.drive(rid) is RunStatus.COMPLETED
+    assert len(env.sent()) == 1
+    (seq,) = [h["seq"] for h in shown["history"] if h["step"] == "prepare"]
+
+    env.cli("runs", "fork", rid, "--seq", str(seq), "--reason", "again", "--new-id", "b1-fork")
+    assert _written_by_the_cli(env, "b1-fork") == ["operator:fork"]
+    assert env.store.load("b1-fork").state["invoice"] == INVOICE  # the worker's codec
+    assert env.hash_of("b1-fork", "bill") == env.hash_of(rid, "bill")  # the same subject
+    _approve_bill(env, "b1-fork")
+    assert env.drive("b1-fork") is RunStatus.COMPLETED
+    result = env.store.load("b1-fork").state["result"]
+    assert result["invoice"] == INVOICE
+    assert type(result["invoice"].lines[0]) is Line
+    assert len(env.sent()) == 1  # the origin's delivery replayed
+
+
+def test_edit_and_retry_through_the_cli_keep_dataclasses_it_cannot_decode(billing: Env) -> None:
+    env = billing
+    rid = _start_billing(env, "b2", broken=True)
+    assert env.store.get_run(rid).status is RunStatus.FAILED
+    _keyframe_next(env, rid)
+    env.cli("runs", "edit", rid, "broken", "--value", "false", "--reason", "fixed", "--as", "erin")
+    env.cli("runs", "retry", rid, "--as", "erin")
+    assert _written_by_the_cli(env, rid) == ["operator:edit"]
+    assert env.store.load(rid).state["invoice"] == INVOICE
+    assert env.drive(rid) is RunStatus.WAITING
+    _approve_bill(env, rid)
+    assert env.drive(rid) is RunStatus.COMPLETED
+    assert env.store.load(rid).state["result"]["invoice"] == INVOICE
+    assert [d["text"] for d in env.sent()] == ["invoice 2041: 25.10 due 2031-01-31"]
+
+
+def test_cancel_through_the_cli_keeps_dataclasses_it_cannot_decode(billing: Env) -> None:
+    env = billing
+    rid = _start_billing(env, "b3")
+    _keyframe_next(env, rid)
+    env.cli("runs", "cancel", rid, "--reason", "customer left")
+    assert _written_by_the_cli(env, rid) == ["operator:cancel"]
+    state = env.store.load(rid).state
+    assert (state["invoice"], state["total"]) == (INVOICE, Decimal("25.10"))
+    assert env.store.get_run(rid).status is RunStatus.CANCELLED
+    assert env.sent() == []
+
+
+def test_the_cli_refuses_to_store_the_lossy_placeholder_as_data(billing: Env) -> None:
+    env = billing
+    rid = _start_billing(env, "b4")
+    shown = env.json("runs", "show", rid)["state"]["invoice"]  # copied from the display
+    res = env.cli(
+        "runs", "edit", rid, "invoice", "--value", json.dumps(shown), "--reason", "r", ok=False
+    )
+    assert isinstance(res.exception, CodecError)
+    assert env.store.load(rid).state["invoice"] == INVOICE
+    assert env.json("runs", "show", rid)["operator_log"] == []
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoint import Codec, CodecError, CorruptRecord, UnknownCodecTag
+from checkpoint import Codec, CodecError, CorruptRecord, Opaque, UnknownCodecTag
 from tests.codec_corpus import corpus
 from tests.values import (
     Note,
@@ -343,10 +343,102 @@ def test_dataclass_whose_fields_changed_raises_unknown_codec_tag() -> None:
         reader.decode(CODEC.encode(Point(1, 2)))
 
 
-def test_non_strict_codec_exposes_unknown_tags_as_data() -> None:
-    lenient = Codec(strict=False)
-    back = lenient.decode(CODEC.encode([Point(1, 2)]))
-    assert back == [{"$unknown": "tests.point.v1", "value": {"x": 1, "y": 2}}]
+# -- a non-strict codec keeps what it cannot decode, exactly -----------------------------
+#
+# A tool that does not know the writer's dataclasses (the CLI) loads states and saves them
+# again (fork, edit, cancel, retry): what it did not understand must be written back byte
+# for byte, by it and by any codec, and read by the writer's codec as the original value.
+
+LENIENT = Codec(strict=False)
+
+
+def _unknown_tags() -> st.SearchStrategy[bytes]:
+    """Canonical bytes holding tags no codec knows, at any depth (around a known value)."""
+    tags = st.text(st.characters(codec="ascii", categories=["L"]), min_size=2, max_size=3)
+    return st.tuples(codec_values(max_leaves=6), tags, codec_values(max_leaves=4)).map(
+        lambda t: CODEC.encode({"a": t[0], "b": [t[0]]}).replace(
+            b'"b":[', b'"b":[{"\\u0000' + t[1].encode() + b'":' + CODEC.encode(t[2]) + b"},", 1
+        )
+    )
+
+
+@PROPS
+@given(codec_values())
+def test_a_non_strict_codec_writes_back_what_it_could_not_decode_byte_for_byte(
+    value: Any,
+) -> None:
+    data = CODEC.encode(value)
+    back = LENIENT.decode(data)
+    assert LENIENT.encode(back) == data
+    assert CODEC.encode(back) == data  # the writer's strict codec writes it verbatim too
+    assert strict_equal(CODEC.decode(LENIENT.encode(back)), value)
+    assert strict_equal(LENIENT.decode(LENIENT.encode(back)), back)  # stable placeholders
+
+
+@PROPS
+@given(_unknown_tags())
+def test_unknown_tags_survive_a_non_strict_round_trip(data: bytes) -> None:
+    back = LENIENT.decode(data)
+    assert LENIENT.encode(back) == data
+    assert CODEC.encode(back) == data
+    with pytest.raises(UnknownCodecTag):
+        CODEC.decode(data)
+
+
+def test_placeholders_are_frozen_hashable_values_and_readable() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class PointV2:
+        x: int
+        z: int
+
+    data = CODEC.encode({"p": [Point(1, 2)], "s": {Point(3, 4)}, "n": Note("t", [], {})})
+    other = Codec(strict=False)
+    other.register(PointV2, name="tests.point.v1")  # registered, but the fields changed
+    for lenient in (LENIENT, other):
+        back = lenient.decode(data)
+        (placeholder,) = back["p"]
+        assert isinstance(placeholder, Opaque)
+        assert (placeholder.tag, placeholder.value) == ("tests.point.v1", {"x": 1, "y": 2})
+        assert placeholder.encoded == CODEC.encode(Point(1, 2)).decode()
+        assert back["s"] == {Opaque("tests.point.v1", CODEC.encode(Point(3, 4)).decode())}
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            placeholder.tag = "x"  # type: ignore[misc]
+        assert lenient.encode(back) == data
+    shown = LENIENT.readable(LENIENT.decode(data))
+    assert shown["p"] == [{"$unknown": "tests.point.v1", "value": {"x": 1, "y": 2}}]
+    assert shown["n"] == {
+        "$unknown": "tests.note.v1",
+        "value": {"meta": {}, "tags": [], "title": "t"},
+    }
+    assert LENIENT.readable(LENIENT.decode(b'{"\\u0000zz":[1]}')) == {
+        "$unknown": "zz",
+        "value": [1],
+    }
+    assert LENIENT.readable({"raw": b"\x01"}) == {"raw": {"\x00b": "AQ=="}}  # known tags kept
+    assert CODEC.readable(Point(1, 2)) == {"\x00c": ["tests.point.v1", {"x": 1, "y": 2}]}
+
+
+def _lenient_registered() -> Codec:
+    codec = Codec(strict=False)
+    codec.register(Point, name="tests.point.v1")
+    codec.register(Note, name="tests.note.v1")
+    return codec
+
+
+@pytest.mark.parametrize("codec", [CODEC, _lenient_registered()], ids=["strict", "lenient"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"$unknown": "tests.point.v1", "value": {"x": 1, "y": 2}},
+        [1, {"deep": {"$unknown": "zz", "value": None}}],
+        Note("t", [], {"m": {"$unknown": "x", "value": 1}}),
+    ],
+)
+def test_the_old_lossy_placeholder_is_never_stored_as_data(codec: Codec, value: Any) -> None:
+    with pytest.raises(CodecError, match="placeholder"):
+        codec.encode(value)
+    assert CODEC.encode({"$unknown": "x"}) == b'{"$unknown":"x"}'  # only that exact shape
+    assert CODEC.encode({"$unknown": 1, "value": 2, "more": 3})
 
 
 @pytest.mark.parametrize(

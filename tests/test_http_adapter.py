@@ -178,6 +178,41 @@ def test_a_diverged_body_is_refused_before_the_provider_sees_it(
     assert len(fake.writes) == 1
 
 
+def test_the_fingerprint_is_the_body_as_json_values_not_its_encoding(
+    fake: FakeProvider, ledger: Ledger, client: httpx.Client
+) -> None:
+    """A resumed step that builds the same body in another key order (as a value read back
+    from a checkpoint comes, sorted) with other per-request headers (a rotated token, a
+    trace id) replays; another value anywhere in the body is refused."""
+    http = GuardedHTTP(client, ledger)
+    body: dict[str, Any] = {
+        "amount": 5,
+        "meta": {"order": "o-1", "lines": [{"sku": "a", "qty": 2}]},
+    }
+    reordered = {"meta": {"lines": [{"qty": 2, "sku": "a"}], "order": "o-1"}, "amount": 5}
+
+    def send(json: Any, headers: dict[str, str]) -> dict[str, Any]:
+        with step("run-1", "pay"):
+            return http.post(
+                fake.url + "/payments",
+                effect="pay@1",
+                json=json,
+                headers=headers,
+                **options(fake, "A"),
+            )
+
+    first = send(body, {"Authorization": "Bearer t1", "traceparent": "00-aa-01-01"})
+    assert send(reordered, {"authorization": "Bearer t2"}) == first
+    for changed in (
+        {**body, "amount": 6},
+        {**body, "meta": {**body["meta"], "lines": [{"sku": "a", "qty": 3}]}},
+        {**body, "currency": "EUR"},
+    ):
+        with pytest.raises(KeyReuseError):
+            send(changed, {})
+    assert len(fake.writes) == 1
+
+
 # -- not sent -------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from checkpoint import Store
+from checkpoint import DatabaseRetry, Store
 from ledger import (
     Claim,
     EffectInDoubt,
@@ -41,9 +41,14 @@ FAULTS = ["unwritable", "statement fails", "commit fails"]
 
 
 def open_ledger(ledgers: Ledgers, **kwargs: Any) -> Ledger:
-    """A ledger on its own store, whose SQLite writers give up on a held lock quickly."""
+    """A ledger on its own store, whose SQLite writers give up on a held lock quickly and
+    whose store retries a lock held or a connection refused only briefly (by default it
+    retries for 30 s; tests/test_transient.py rides such failures out)."""
     store_kwargs = kwargs.pop("store_kwargs", {})
-    return ledgers.fresh(store_kwargs={"busy_timeout_ms": 100, **store_kwargs}, **kwargs)
+    return ledgers.fresh(
+        store_kwargs={"busy_timeout_ms": 100, "retry": DatabaseRetry(budget_s=0.2), **store_kwargs},
+        **kwargs,
+    )
 
 
 def fault(name: str, led: Ledger, db_url: str) -> contextlib.AbstractContextManager[None]:

@@ -106,7 +106,7 @@ def env(store: Store, ledgers: Ledgers, clock: Clock) -> Env:
 
 
 def approve(env: Env, run_id: str, name: str, actor: str = "bob") -> None:
-    [wait] = [w for w in env.operator.show(run_id).waits if w.name == name]
+    wait = [w for w in env.operator.show(run_id).waits if w.name == name][-1]  # the latest
     assert wait.subject_hash is not None
     env.operator.approve(run_id, name, actor=actor, subject_hash=wait.subject_hash)
 
@@ -838,7 +838,9 @@ def test_a_run_retried_after_failing_at_a_wait_fails_again_instead_of_spinning(
     assert Waits(env.store, clock=env.clock).claim_ready("w", 30) == []
 
 
-def test_a_wait_name_reused_for_another_subject_fails_the_run(env: Env) -> None:
+def test_a_loop_that_waits_under_one_name_asks_again_on_every_pass(env: Env) -> None:
+    """A wait belongs to the step visit that opened it: the loop's next pass opens a new,
+    undecided wait of the same name (never the earlier pass's decision)."""
     flow = Flow("loop")
 
     @flow.step(start=True)
@@ -852,9 +854,53 @@ def test_a_wait_name_reused_for_another_subject_fails_the_run(env: Env) -> None:
     rt.drive(rid)
     approve(env, rid, "ok")
     run = rt.drive(rid)
-    assert (run.status, run.next_step) == (RunStatus.FAILED, "ask")
-    assert env.meta(rid)["error"]["type"] == "WaitRefused"
-    assert env.state(rid)["n"] == 1
+    assert (run.status, run.next_step) == (RunStatus.WAITING, "ask")
+    waits = [w for w in env.operator.show(rid).waits if w.name == "ok"]
+    assert [(w.instance, w.status, w.subject) for w in waits] == [
+        (0, WaitStatus.APPROVED, {"n": 0}),
+        (1, WaitStatus.OPEN, {"n": 1}),
+    ]
+    assert [w.opened_by for w in waits] == ["ask#0", "ask#1"]
+    assert env.state(rid)["n"] == 2
+
+
+def test_one_approval_is_one_payout_in_a_loop(env: Env) -> None:
+    flow = Flow("payouts")
+
+    @flow.step(start=True)
+    def ask(ctx: StepContext) -> Transition:
+        return ctx.wait_for_approval(
+            "payout", {"amount": 100}, then="pay", requested_by="alice", on_reject="stop"
+        )
+
+    @flow.step
+    def pay(ctx: StepContext) -> Transition:
+        ctx.approved("payout", {"amount": 100})
+        env.send(ctx, "pay@1", {"amount": 100})
+        ctx.state["paid"] = ctx.state.get("paid", 0) + 1
+        return ctx.next("ask") if ctx.state["paid"] < 3 else ctx.end(ctx.state["paid"])
+
+    @flow.step
+    def stop(ctx: StepContext) -> Transition:
+        return ctx.end(ctx.state.get("paid", 0))
+
+    rt = env.runtime(flow)
+    rid = rt.start("payouts")
+    assert rt.drive(rid).status is RunStatus.WAITING
+    approve(env, rid, "payout")
+    assert rt.drive(rid).status is RunStatus.WAITING  # asks again for the second payout
+    assert env.provider.sent("pay@1") == [{"amount": 100}]
+    rt2 = env.runtime(flow, fresh=True)  # another process sees the same
+    assert rt2.drive(rid).status is RunStatus.WAITING
+    assert len(env.provider.sent("pay@1")) == 1
+    approve(env, rid, "payout")
+    assert rt.drive(rid).status is RunStatus.WAITING
+    assert len(env.provider.sent("pay@1")) == 2
+    env.operator.reject(rid, "payout", actor="bob")
+    run = rt.drive(rid)
+    assert run.status is RunStatus.COMPLETED
+    assert env.state(rid)["result"] == 2
+    assert len(env.provider.sent("pay@1")) == 2
 
 
 def test_concurrent_starts_of_one_run_id_start_it_once(env: Env) -> None:

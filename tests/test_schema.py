@@ -19,10 +19,14 @@ import checkpoint._schema as schema_module
 from checkpoint import (
     ConfigurationError,
     DatabaseLocked,
+    DatabaseRetry,
     DatabaseUnavailable,
     RunStatus,
     SchemaVersionError,
     Store,
+    WaitKind,
+    Waits,
+    WaitStatus,
     WeakDurabilityError,
     migrate,
 )
@@ -264,8 +268,11 @@ def _lock(path: Path) -> sqlite3.Connection:
 
 
 def test_a_locked_database_raises_database_locked_and_writes_nothing(tmp_path: Path) -> None:
+    """With retries off (the default retries a held lock for 30 s: tests/test_transient.py)."""
     path = tmp_path / "locked.db"
-    with Store.open(f"sqlite:///{path}", busy_timeout_ms=200) as store:
+    with Store.open(
+        f"sqlite:///{path}", busy_timeout_ms=200, retry=DatabaseRetry(budget_s=0)
+    ) as store:
         rid = store.create_run("flow", next_step="one").run_id
         store.save(rid, {"n": 0}, step="zero", next_step="one")
         blocker = _lock(path)
@@ -347,3 +354,39 @@ def test_a_version_1_store_migrates_to_waits_keeping_its_runs(
     assert "oo_waits" in _tables(plain_engine)
     with Store.open(db_url, create=False) as store:
         assert store.get_run("r1").flow == "f"
+
+
+def test_a_version_2_store_migrates_its_waits_to_instances(
+    db_url: str, plain_engine: Engine
+) -> None:
+    """Version 3 re-keys oo_waits by (run, name, instance): a table rebuild on SQLite, an
+    ALTER on PostgreSQL; the waits of version 2 become instance 0 and keep working."""
+    schema_module.apply_migrations(
+        plain_engine, "checkpoint", schema_module.CHECKPOINT_MIGRATIONS[:2]
+    )
+    execute(
+        plain_engine,
+        "INSERT INTO oo_runs (run_id, flow, code_version, state_version, status, "
+        "created_at, updated_at) VALUES ('r1', 'f', '0', 1, 'waiting', 0, 0)",
+    )
+    execute(
+        plain_engine,
+        "INSERT INTO oo_waits (run_id, name, kind, status, allow_self, created_at) "
+        "VALUES ('r1', 'docs', 'signal', 'open', 0, 1)",
+    )
+    sql = migrate(db_url, sql=True)
+    assert "v3: waits belong to the step visit" in sql
+    assert ("oo_waits_v2" in sql) is db_url.startswith("sqlite")  # one database's statements
+    migrate(db_url)
+    with Store.open(db_url, create=False) as store:
+        waits = Waits(store)
+        old = waits.get("r1", "docs")
+        assert (old.instance, old.opened_by, old.status) == (0, None, WaitStatus.OPEN)
+        # The step visit that opened it before the upgrade adopts it when it re-opens it.
+        again = waits.open("r1", "docs", WaitKind.SIGNAL, opened_by="collect#0")
+        assert (again.instance, again.opened_by) == (0, "collect#0")
+        waits.signal("r1", "docs", {"files": 2})
+        assert store.get_run("r1").status is RunStatus.RUNNING
+        # Another visit opening the same name gets a new wait.
+        nxt = waits.open("r1", "docs", WaitKind.SIGNAL, opened_by="collect#1")
+        assert (nxt.instance, nxt.status) == (1, WaitStatus.OPEN)

@@ -444,9 +444,11 @@ def test_the_lease_is_renewed_while_a_long_step_runs(
     assert_once(provider.log, {rid: {"a", "b", "c"}})
 
 
-def test_a_worker_that_loses_its_lease_stops_after_the_current_step(
+def test_a_worker_that_loses_its_lease_claims_nothing_more(
     any_url: str, provider: CountingProvider
 ) -> None:
+    """The run's lease is part of every claim's fence: once another worker holds it, this
+    worker's next effect is refused before it is sent, and its step is dropped."""
     with runtime_on(any_url, owner="solo", lease_s=0.6) as rt:
         rid = rt.start("pause", {"url": provider.url, "pause_s": 1.0})
         worker = Worker(rt, poll_s=0.1)
@@ -467,8 +469,8 @@ def test_a_worker_that_loses_its_lease_stops_after_the_current_step(
         assert not t.is_alive()
         assert worker.stats.leases_lost == 1
         run = rt.store.get_run(rid)
-        assert (run.next_step, run.lease_owner) == ("second", "thief")
-    assert labels(provider.log, rid) == ["a", "b"]  # "second" was not run by this worker
+        assert (run.next_step, run.lease_owner) == ("first", "thief")
+    assert labels(provider.log, rid) == ["a"]  # "b" was refused: the thief runs the step
 
 
 def test_a_run_of_an_unknown_flow_is_skipped_not_claimed_again_and_again(

@@ -1,0 +1,290 @@
+"""Riding out a database that is briefly unavailable: which failures pass, which
+transactions may run again, and for how long the store keeps trying.
+
+The store applies these rules to every transaction it runs, reads and writes alike
+(:meth:`Store.transact`, :meth:`Store.read`, checkpoint writes, leases, run rows), so
+the effects ledger, the waits, the runtime, the worker and every operator action ride
+on them:
+
+* **Transient failures are retried**: SQLite's lock held past ``busy_timeout`` (another
+  writer, a paused process); a PostgreSQL connection refused, lost or terminated (a
+  server restart, ``pg_terminate_backend``, an administrator shutdown, a server starting
+  up, too many connections); a serialization failure or a deadlock. Everything else is
+  raised at once: a disk I/O error, a full disk, a read-only database, a constraint
+  violation, a SQLite file that cannot be opened, a record that fails its integrity
+  check, and every error onceonly raises itself (``ConcurrentWrite``, ``CorruptRecord``,
+  the ledger's ``LedgerError`` ...). :func:`~checkpoint._engine.classify` decides, and
+  marks the error ``transient``.
+* **A transaction runs again only when nothing of it can have been written**: the
+  failure came before COMMIT was sent (``BEGIN IMMEDIATE`` found the lock held, a
+  statement failed, the connection was lost mid-transaction), or the database answered
+  the COMMIT with a refusal (SQLite busy, a serialization failure: rolled back). A COMMIT
+  whose answer was lost (the connection dropped while committing) may or may not have
+  been written: it is raised as ``DatabaseUnavailable`` with ``may_have_committed``, and
+  run again only for a transaction declared idempotent (the lease and run-row updates;
+  ``Store.transact(fn, idempotent=True)``). The effects ledger treats it as an outcome
+  not recorded: the effect is in doubt and reconciled.
+* **A connection that failed is discarded** before the next attempt (the store's pinned
+  per-thread connection is invalidated; SQLAlchemy drops its pool on a lost connection),
+  so the next attempt opens a fresh one.
+* **Bounded backoff with jitter**: pauses grow from ``initial_s`` by ``multiplier`` up to
+  ``max_s``, each plus a random ``0..jitter_s`` (workers reconnecting after a restart do
+  not all knock at once). No attempt starts after ``budget_s`` from the start of the
+  outermost call: a retried call inside another (a run read inside a lease update)
+  shares its budget. Each retry is logged at WARNING on ``onceonly.store`` with the
+  action, the attempt and the error, never the URL or a password. When the budget runs
+  out the last error is raised, with a note saying how long it was retried, and an
+  enclosing call does not retry it again.
+* **Stopping**: inside :func:`interrupt_retries`, retries end as soon as the given event
+  is set (an idle worker's ``stop()``): the last error is raised at once.
+
+Opening a store does not wait: an unreachable database at open is more often a wrong
+URL than a blip, so :meth:`Store.open` fails at once with ``DatabaseUnavailable``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
+
+import tenacity
+
+from .errors import ConfigurationError, StoreError
+
+__all__ = ["DatabaseRetry", "interrupt_retries", "is_transient", "retried", "retryable"]
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+log = logging.getLogger("onceonly.store")
+
+_GAVE_UP = "_onceonly_retry_gave_up"
+
+
+@dataclass(frozen=True)
+class DatabaseRetry:
+    """How long the store keeps trying while the database is briefly unavailable, and
+    the pauses between attempts (see :mod:`checkpoint._retry` for what is retried).
+
+    Attributes:
+        budget_s: No attempt starts later than this after the call began (0: one
+            attempt, never retry). An attempt itself may take up to SQLite's
+            ``busy_timeout`` on top.
+        initial_s: First pause.
+        max_s: Longest pause.
+        multiplier: Growth of the pause per attempt.
+        jitter_s: Random extra per pause, up to this.
+    """
+
+    budget_s: float = 30.0
+    initial_s: float = 0.05
+    max_s: float = 2.0
+    multiplier: float = 2.0
+    jitter_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if (
+            self.budget_s < 0
+            or self.initial_s < 0
+            or self.max_s < self.initial_s
+            or self.multiplier < 1
+            or self.jitter_s < 0
+        ):
+            raise ConfigurationError(
+                "DatabaseRetry needs budget_s >= 0, 0 <= initial_s <= max_s, multiplier >= 1 "
+                "and jitter_s >= 0"
+            )
+
+    def wait(self) -> tenacity.wait.wait_base:
+        """The tenacity wait strategy: exponential, capped, plus jitter."""
+        return tenacity.wait_exponential(
+            multiplier=self.initial_s, exp_base=self.multiplier, max=self.max_s
+        ) + tenacity.wait_random(0, self.jitter_s)
+
+    def pause(self, attempt: int) -> float:
+        """Seconds to pause after failed attempt ``attempt`` (1, 2, ...), jitter included."""
+        state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
+        state.attempt_number = max(attempt, 1)
+        return float(self.wait()(state))
+
+    def call(self, action: str, fn: Callable[[], T], *, idempotent: bool) -> T:
+        """Run ``fn`` (one transaction, or a call made of transactions), retrying it on
+        transient failures per these rules.
+
+        Args:
+            action: What is being done, for the log (``take a lease``).
+            fn: The work; it must be safe to run again after a failure that wrote
+                nothing.
+            idempotent: Running ``fn`` again after its COMMIT may have gone through is
+                harmless, so a lost COMMIT is retried too.
+
+        Returns:
+            What ``fn`` returned.
+
+        Raises:
+            StoreError: The last error, when it is not transient, or when the budget ran
+                out (or :func:`interrupt_retries`' event was set) before an attempt
+                succeeded.
+        """
+        outer = _scope.get()
+        scope = _Scope(time.monotonic() + self.budget_s, None, action)
+        if outer is not None:
+            # Nested: the outermost call's budget, stop event and name (for the log).
+            scope = _Scope(min(scope.deadline, outer.deadline), outer.stop, outer.action or action)
+        token = _scope.set(scope)
+        started = time.monotonic()
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: retryable(e, idempotent=idempotent)),
+            stop=scope.done,
+            wait=self.wait(),
+            sleep=scope.sleep,
+            before_sleep=functools.partial(_log_retry, scope.action or action, scope),
+            reraise=True,
+        )
+        try:
+            return retrying(fn)
+        except _Interrupted:
+            assert scope.last is not None
+            _give_up(scope.last, started, scope.attempts, "the caller is stopping")
+            raise scope.last from scope.last.__cause__
+        except StoreError as exc:
+            if retryable(exc, idempotent=idempotent):
+                _give_up(exc, started, scope.attempts, "the retry budget ran out")
+            raise
+        finally:
+            _scope.reset(token)
+
+
+class _Interrupted(Exception):
+    """The caller's stop event was set while a retry was pausing."""
+
+
+@dataclass
+class _Scope:
+    """Per-call retry state, shared by the calls nested inside one (never in a policy)."""
+
+    deadline: float
+    stop: threading.Event | None
+    action: str | None = None
+    last: StoreError | None = None
+    attempts: int = 0
+
+    def done(self, state: tenacity.RetryCallState) -> bool:
+        self.attempts = state.attempt_number
+        pause = state.upcoming_sleep or 0.0
+        if self.stop is not None and self.stop.is_set():
+            return True
+        return time.monotonic() + pause > self.deadline
+
+    def sleep(self, seconds: float) -> None:
+        if self.stop is None:
+            time.sleep(seconds)
+        elif self.stop.wait(seconds):
+            raise _Interrupted
+
+
+_scope: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
+    "onceonly_retry_scope", default=None
+)
+
+
+@contextlib.contextmanager
+def interrupt_retries(stop: threading.Event) -> Iterator[None]:
+    """Within the block (this thread or task), database retries end as soon as ``stop``
+    is set: the last error is raised at once instead of after the retry budget."""
+    token = _scope.set(_Scope(float("inf"), stop))
+    try:
+        yield
+    finally:
+        _scope.reset(token)
+
+
+def retryable(exc: BaseException, *, idempotent: bool) -> bool:
+    """Whether ``exc`` may be retried: a transient store error that wrote nothing (or
+    whose transaction is idempotent) and that no inner retry has given up on."""
+    if not isinstance(exc, StoreError) or not exc.transient:
+        return False
+    if getattr(exc, _GAVE_UP, False):
+        return False
+    return idempotent or not exc.may_have_committed
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc``, or the error it was raised from (``LedgerUnavailable`` from a
+    ``DatabaseLocked``, ``AsyncWriteError`` from a lost connection), is a transient
+    database failure: the first store error in its chain of causes decides."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, StoreError):
+            return cur.transient
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def describe(exc: BaseException) -> str:
+    """A failure in one line for the log: its type and the driver's message (which names
+    the host or socket, never the password; never the statement's parameters)."""
+    raw: object = exc
+    if isinstance(exc, StoreError) and exc.__cause__ is not None:
+        raw = getattr(exc.__cause__, "orig", None) or exc.__cause__
+    text = " ".join(str(raw).split())
+    return f"{type(exc).__name__} ({text[:200]})"
+
+
+def _log_retry(action: str, scope: _Scope, state: tenacity.RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    if isinstance(exc, StoreError):
+        scope.last = exc
+    left = max(scope.deadline - time.monotonic(), 0.0)
+    log.warning(
+        "%s: %s; retrying in %.2f s (attempt %d, %.1f s of the retry budget left)",
+        action,
+        describe(exc) if exc is not None else "failed",
+        state.upcoming_sleep,
+        state.attempt_number,
+        left,
+    )
+
+
+def _give_up(exc: StoreError, started: float, attempts: int, why: str) -> None:
+    setattr(exc, _GAVE_UP, True)
+    if attempts > 1:
+        exc.add_note(
+            f"onceonly retried this for {time.monotonic() - started:.1f} s "
+            f"({attempts} attempts) and gave up: {why} (Store(retry=DatabaseRetry(...)))"
+        )
+
+
+class _Retrying(Protocol):
+    @property
+    def retry(self) -> DatabaseRetry: ...
+
+
+S = TypeVar("S", bound=_Retrying)
+
+
+def retried(
+    action: str, *, idempotent: bool
+) -> Callable[[Callable[Concatenate[S, P], T]], Callable[Concatenate[S, P], T]]:
+    """Decorate a store method whose whole body may run again after a transient
+    failure (one transaction, or reads and idempotent writes), with ``self.retry``."""
+
+    def decorate(method: Callable[Concatenate[S, P], T]) -> Callable[Concatenate[S, P], T]:
+        @functools.wraps(method)
+        def wrapper(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
+            return self.retry.call(
+                action, lambda: method(self, *args, **kwargs), idempotent=idempotent
+            )
+
+        return wrapper
+
+    return decorate

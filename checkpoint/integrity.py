@@ -1,0 +1,151 @@
+"""Keyed integrity of the rows the runtime trusts: runs, checkpoints and waits.
+
+A row's **seal** is a keyed blake3 MAC over its trusted fields, stored with the id of the
+key that made it (``<key id>:<32 bytes>``). The key comes from the effects ledger's
+keyring (``Keyring.row_keys()``: a subkey per secret, for this purpose only), so without
+the secret a valid row can be neither forged nor recomputed after an edit. Keys rotate
+like the keyring: a row sealed with an older key still verifies while that key is kept;
+new seals use the current one.
+
+What each seal covers:
+
+* **runs**: flow, code version, state version, status, next step, handoff note, head
+  sequence number *and the head checkpoint's digest* — so a status flipped by SQL, a next
+  step moved, or a head moved back (a cut-back history) is refused on read; the lease
+  columns change on every renewal and are not trusted for anything that acts;
+* **checkpoints**: every metadata column and the row digest (which covers the body and,
+  through it, the content-addressed blobs it refers to);
+* **waits**: kind, status, expiry, the approved subject's hash, requester, self-approval,
+  the payload's hash, the decision (who, when, why), the opening step visit, the
+  instance.
+
+A :class:`~checkpoint.Store` without keys writes no seals and checks none: it detects
+accidental corruption (digests, content hashes) but not an edit made on purpose by
+someone who recomputes the unkeyed digests. :data:`UNKEYED_LIMITS` says so in words.
+"""
+
+from __future__ import annotations
+
+import hmac
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import blake3
+
+from .errors import ConfigurationError, CorruptRecord
+
+# UNKEYED_LIMITS is public too (``checkpoint.integrity.UNKEYED_LIMITS``), out of
+# ``__all__`` as KNOWN_FAILPOINTS is (the package re-exports every name listed here).
+__all__ = ["RowKeys"]
+
+UNKEYED_LIMITS = (
+    "this store has no integrity keys (open it with a keyring: "
+    "Store.open(url, integrity=keyring.row_keys()), or through a Ledger): it detects "
+    "accidental corruption but not deliberate edits of runs, checkpoints or waits by "
+    "someone who recomputes their unkeyed digests"
+)
+
+
+def _encode(parts: Sequence[object]) -> bytes:
+    """Length-prefixed, type-tagged: no two part lists encode alike."""
+    out = bytearray()
+    for p in parts:
+        if p is None:
+            out += b"N"
+        elif isinstance(p, bool):
+            out += b"T" if p else b"F"
+        elif isinstance(p, int):
+            data = str(p).encode("ascii")
+            out += b"i%d:%s" % (len(data), data)
+        elif isinstance(p, float):
+            out += b"f" + struct.pack(">d", p)
+        elif isinstance(p, str):
+            data = p.encode("utf-8")
+            out += b"s%d:%s" % (len(data), data)
+        elif isinstance(p, bytes | bytearray | memoryview):
+            data = bytes(p)
+            out += b"b%d:%s" % (len(data), data)
+        else:
+            raise TypeError(f"seal parts are str, int, float, bytes or None, not {type(p)}")
+    return bytes(out)
+
+
+@dataclass(frozen=True, repr=False)
+class RowKeys:
+    """The keys that seal trusted rows: the current one seals, every one verifies.
+
+    Attributes:
+        current_id: Id of the key new seals use.
+        keys: Key id -> 32-byte key.
+    """
+
+    current_id: str
+    keys: Mapping[str, bytes] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if self.current_id not in self.keys:
+            raise ConfigurationError("RowKeys: the current key is not among the keys")
+        for kid, key in self.keys.items():
+            if not kid or ":" in kid or len(key) != 32:
+                raise ConfigurationError("RowKeys: ids without ':' and 32-byte keys")
+
+    def __repr__(self) -> str:
+        return f"RowKeys(current_id={self.current_id!r}, keys=<{len(self.keys)} redacted>)"
+
+    def seal(self, table: str, parts: Sequence[object]) -> bytes:
+        """The seal of a row of ``table`` with these trusted ``parts``."""
+        return self._mac(self.current_id, table, parts)
+
+    def _mac(self, kid: str, table: str, parts: Sequence[object]) -> bytes:
+        body = _encode([table, *parts])
+        return kid.encode() + b":" + blake3.blake3(body, key=self.keys[kid]).digest()
+
+    def valid(self, table: str, parts: Sequence[object], seal: bytes | None) -> bool:
+        """Whether ``seal`` is a valid seal of these parts (by any known key)."""
+        if seal is None:
+            return False
+        kid, sep, _ = bytes(seal).partition(b":")
+        name = kid.decode("utf-8", "replace")
+        if not sep or name not in self.keys:
+            return False
+        return hmac.compare_digest(self._mac(name, table, parts), bytes(seal))
+
+
+def _check_seal(
+    keys: RowKeys | None,
+    table: str,
+    parts: Sequence[object],
+    seal: bytes | None,
+    *,
+    what: str,
+    run_id: str | None = None,
+    seq: int | None = None,
+) -> None:
+    """Refuse a row whose seal does not verify (no keys: nothing is checked).
+
+    Raises:
+        CorruptRecord: The row was edited, forged, moved, or written without a key.
+    """
+    if keys is None:
+        return
+    if seal is None:
+        raise CorruptRecord(
+            f"{what} carries no seal (written without integrity keys, or edited to drop "
+            f"its seal); it is not trusted. If the store predates sealing, run `onceonly "
+            f"audit seal` once after checking it",
+            run_id=run_id,
+            seq=seq,
+        )
+    if not keys.valid(table, parts, seal):
+        raise CorruptRecord(
+            f"{what} fails its keyed seal (edited, forged, rolled back alone or moved); it "
+            f"is not acted on. Run `onceonly audit verify`",
+            run_id=run_id,
+            seq=seq,
+        )
+
+
+def _make_seal(keys: RowKeys | None, table: str, parts: Sequence[object]) -> bytes | None:
+    """The seal to store (None without keys)."""
+    return None if keys is None else keys.seal(table, parts)

@@ -1,0 +1,104 @@
+"""Run fences: claims that act for a run only while the run is where its step started.
+
+A runtime enters :func:`run_fence` around each step it executes, naming the run, the head
+checkpoint the step was built on (sequence number and digest) and the worker that holds
+the run's lease. Every transaction that hands out a claim — a new claim, a re-claim after
+an attempt proved not to have happened, a re-send inside a class-A dedup window — checks
+the fence in the same transaction, with one indexed read of the run row and its head:
+the run must still be ``running``, its head must still be exactly that checkpoint, and
+(when an owner is given) its lease must be that owner's. Otherwise the claim is refused
+with :class:`~ledger.errors.RunFenced` before anything is written or sent.
+
+So an operator's cancel takes effect before the step's next effect is claimed (the
+effect in progress finishes), an operator's edit or another worker's checkpoint stops a
+step built on a state that is no longer the run's, and in ``async`` or ``exit``
+durability a step whose predecessor's checkpoint lost a race to another writer never
+acts on it. Recorded outcomes replay through a fence (replaying acts on nothing).
+
+The fence travels in a :mod:`contextvars` variable: threads started with a copied
+context (``ctx.parallel``'s branches) and executor calls run through
+``contextvars.copy_context().run`` carry it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import RunFenced
+
+__all__ = ["RunFence", "current_fence", "run_fence"]
+
+
+@dataclass(frozen=True)
+class RunFence:
+    """Where a step started, which its claims check.
+
+    Attributes:
+        run_id: The run the step acts for (not its key space: a fork acts for itself).
+        head_seq: The run's head checkpoint when the step started.
+        head_digest: That checkpoint's digest (a racing writer's checkpoint at the same
+            sequence number has another).
+        owner: The worker holding the run's lease, or None not to check the lease.
+    """
+
+    run_id: str
+    head_seq: int
+    head_digest: bytes = field(repr=False)
+    owner: str | None = None
+
+
+_FENCE: contextvars.ContextVar[RunFence | None] = contextvars.ContextVar(
+    "onceonly_run_fence", default=None
+)
+
+
+@contextlib.contextmanager
+def run_fence(fence: RunFence | None) -> Iterator[None]:
+    """Fence every claim made inside the block (None: no fence)."""
+    token = _FENCE.set(fence)
+    try:
+        yield
+    finally:
+        _FENCE.reset(token)
+
+
+def current_fence() -> RunFence | None:
+    """The fence in force here, if any."""
+    return _FENCE.get()
+
+
+def check_fence(cur: Any, param: str, fence: RunFence | None) -> None:
+    """Refuse a claim whose fence no longer holds (inside the claim's transaction).
+
+    Raises:
+        RunFenced: The run is gone, not running, moved on, or leased to another worker.
+    """
+    if fence is None:
+        return
+    q = param
+    cur.execute(
+        f"SELECT r.status, r.head_seq, r.lease_owner, c.digest FROM oo_runs r "
+        f"LEFT JOIN oo_checkpoints c ON c.run_id = r.run_id AND c.seq = r.head_seq "
+        f"WHERE r.run_id = {q}",
+        (fence.run_id,),
+    )
+    found = cur.fetchone()
+    if found is None:
+        raise RunFenced(fence.run_id, "gone", None, "the run no longer exists")
+    status, head_seq, lease_owner, digest = found
+    if status != "running":
+        raise RunFenced(fence.run_id, "not_running", str(status), f"the run is {status}")
+    if head_seq != fence.head_seq or digest is None or bytes(digest) != fence.head_digest:
+        raise RunFenced(
+            fence.run_id,
+            "moved",
+            str(status),
+            f"another writer advanced it past checkpoint {fence.head_seq} (an operator's "
+            f"edit or cancel, or another worker)",
+        )
+    if fence.owner is not None and lease_owner != fence.owner:
+        raise RunFenced(fence.run_id, "lease", str(status), f"its lease is held by {lease_owner!r}")
