@@ -20,7 +20,7 @@ from .email import (
     SMTPServer,
     classify_smtp,
 )
-from .guard import Probe, RetryPolicy, guard
+from .guard import DEFAULT_RETRY, Probe, RetryPolicy, guard
 from .langgraph import ToolGuard, ToolPolicy
 from .record import (
     GuardedTable,
@@ -33,6 +33,7 @@ from .record import (
 )
 
 __all__ = [
+    "DEFAULT_RETRY",
     "EmailNotSent",
     "EmailOutcomeUnknown",
     "EmailRejected",

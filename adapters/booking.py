@@ -218,7 +218,7 @@ class GuardedBooking(_Base):
         client: The client (base URL of the booking API, timeouts and auth are its own).
         ledger: The effects ledger.
         retry: Attempts (not-sent requests and lookup-proven not-happened ones are
-            retried with the same reference).
+            retried with the same reference; default :data:`adapters.DEFAULT_RETRY`).
         tenant: Tenant for explicit keys.
         subject: Data subject whose key encrypts the payloads (default: the run).
         reserve_effect: ``name@version`` of the hold effect.

@@ -3,13 +3,16 @@
 A runtime (or your own loop) enters :func:`step` around each step it executes; every
 guarded call inside gets its identity from that position — tenant, run, step, how many
 times the run entered the step before, the effect and the call's ordinal among that
-effect's calls in the step — so a resumed or retried step derives the same keys.
+effect's calls in the step — so a resumed or retried step derives the same keys. A call
+with an explicit key inside a step takes the step's tenant (keys never cross tenants)
+and records the run and step it was made from.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -69,20 +72,39 @@ class _StepState:
     visit: int
     ordinals: dict[str, int] = field(default_factory=dict)
     recorded: tuple[str, ...] = ()
-    consumed: int = 0
+    asked: set[int] = field(default_factory=set)  # indexes into recorded
+    lock: threading.Lock = field(default_factory=threading.Lock)  # branches share a step
 
-    def expect(self, key_id: str) -> None:
-        if self.consumed >= len(self.recorded):
-            return  # past the recorded prefix: new effects are the step's own business
-        if self.recorded[self.consumed] != key_id:
+    def remaining(self) -> list[str]:
+        return [k for i, k in enumerate(self.recorded) if i not in self.asked]
+
+    def expect(self, key_ids: Sequence[str], *, explicit: bool = False) -> None:
+        """Check a call's key against the recorded ones. ``key_ids`` are the call's key
+        under every secret of the keyring (an effect recorded before a key rotation
+        carries the old secret's key id)."""
+        with self.lock:
+            pending = [i for i in range(len(self.recorded)) if i not in self.asked]
+            if not pending:
+                return  # past the recorded prefix: new effects are the step's own business
+            if self.recorded[pending[0]] in key_ids:
+                self.asked.add(pending[0])
+                return
+            if explicit:
+                # An explicit key names its effect wherever the call sits: recorded by this
+                # step, it may come in any order (concurrent branches claim in any order);
+                # not recorded here, it is another run's effect or a new one.
+                for i in pending[1:]:
+                    if self.recorded[i] in key_ids:
+                        self.asked.add(i)
+                        return
+                return
             raise StepDiverged(
                 self.run_id,
                 self.step_id,
-                self.recorded[self.consumed],
-                key_id,
-                self.recorded[self.consumed :],
+                self.recorded[pending[0]],
+                key_ids[0],
+                self.remaining(),
             )
-        self.consumed += 1
 
 
 _STEP: contextvars.ContextVar[_StepState | None] = contextvars.ContextVar(
@@ -125,10 +147,9 @@ def step(
         yield
     finally:
         _STEP.reset(token)
-    if state.consumed < len(state.recorded):
-        raise StepDiverged(
-            run_id, step_id, state.recorded[state.consumed], None, state.recorded[state.consumed :]
-        )
+    left = state.remaining()
+    if left:
+        raise StepDiverged(run_id, step_id, left[0], None, left)
 
 
 def identity_for(effect: str) -> EffectIdentity:
@@ -149,15 +170,51 @@ def identity_for(effect: str) -> EffectIdentity:
     return EffectIdentity(state.tenant, state.run_id, state.step_id, state.visit, effect, ordinal)
 
 
-def expect_key(key_id: str) -> None:
-    """Check a position-keyed call against the current step's recorded prefix.
+def explicit_identity(effect: str, explicit: str, tenant: str = "") -> EffectIdentity:
+    """The identity of a call of ``effect`` with an explicit key.
+
+    The key is derived from the tenant, the effect and ``explicit`` alone, so it
+    deduplicates across the runs of a tenant. Inside a step the tenant is the step's and
+    the identity also names the step's run and step (kept on the entry: retention keeps
+    it while the run exists, and the step's resume checks it).
+
+    Args:
+        effect: ``name@version``.
+        explicit: The explicit key.
+        tenant: The tenant outside a step; inside one, empty or the step's.
 
     Raises:
-        StepDiverged: The step asked for another effect than the recorded one.
+        ConfigurationError: Inside a step, ``tenant`` names another tenant than the step's.
+    """
+    state = _STEP.get()
+    if state is None:
+        return EffectIdentity(tenant, None, None, 0, effect, 0, explicit=explicit)
+    if tenant and tenant != state.tenant:
+        raise ConfigurationError(
+            f"guarded call of {effect} with tenant {tenant!r} inside a step of tenant "
+            f"{state.tenant!r}: an explicit key takes the step's tenant (keys never cross "
+            f"tenants); drop tenant= from the guard or adapter, or run the step as {tenant!r}"
+        )
+    return EffectIdentity(
+        state.tenant, state.run_id, state.step_id, state.visit, effect, 0, explicit=explicit
+    )
+
+
+def expect_key(key_ids: Sequence[str], *, explicit: bool = False) -> None:
+    """Check a call against the current step's recorded effects.
+
+    Args:
+        key_ids: The call's key id under each secret of the keyring, current first.
+        explicit: The call has an explicit key: recorded by this step, it may be asked
+            for in any order; not recorded by it, it is not checked.
+
+    Raises:
+        StepDiverged: A position-keyed call asked for another effect than the next
+            recorded one.
     """
     state = _STEP.get()
     if state is not None:
-        state.expect(key_id)
+        state.expect(key_ids, explicit=explicit)
 
 
 def current_claim() -> Claim:

@@ -4,15 +4,29 @@ The guard derives the effect's key (from the current step, an explicit key funct
 key recipe), claims it in the ledger before calling, calls, classifies the outcome by
 evidence, records it, and replays recorded results; one OpenTelemetry span per call.
 Retries keep one key across all attempts and only happen when evidence allows: the
-attempt never left (NOT_SENT), or a class-A provider deduplicates our key and its window
-is open. An in-doubt call is reconciled by the adapter's probe where there is one;
-otherwise it needs a human and the caller gets :class:`~ledger.EffectInDoubt`.
+attempt never left (NOT_SENT), a class-A provider deduplicates our key and its window
+is open, or a class-B probe proved the attempt did not happen. The default policy makes
+every re-send the evidence allows (:data:`DEFAULT_RETRY`). An in-doubt call is
+reconciled by the adapter's probe where there is one; otherwise it needs a human and the
+caller gets :class:`~ledger.EffectInDoubt`.
+
+A re-send claim is only taken by an attempt that sends under it: when the last attempt's
+outcome is ambiguous, a class-A entry is left in doubt (UNKNOWN: the next call re-sends
+it inside the window) and the caller gets ``EffectInDoubt``. An interrupt while acting
+(``KeyboardInterrupt``, ``SystemExit``, a cancelled task: a ``BaseException`` that is not
+an ``Exception``) leaves the entry in doubt without reconciling or retrying, and is
+re-raised as it was.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
 import functools
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,11 +50,12 @@ from ledger import (
     OutcomeClass,
     ProviderClass,
     Replay,
+    ResultUnknown,
 )
 
-from .context import _acting, expect_key, identity_for
+from .context import _acting, expect_key, explicit_identity, identity_for
 
-__all__ = ["Probe", "RetryPolicy", "guard"]
+__all__ = ["DEFAULT_RETRY", "Probe", "RetryPolicy", "guard"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -50,6 +65,7 @@ Probe = Callable[[EffectRecord], tuple[Evidence, Any]]
 ``provider_key``): returns the evidence and, if it happened, the provider's result."""
 
 _tracer = trace.get_tracer("onceonly.adapters")
+log = logging.getLogger("onceonly.adapters")
 
 
 @dataclass(frozen=True)
@@ -88,13 +104,18 @@ class RetryPolicy:
         return float(self.wait()(state))
 
 
+DEFAULT_RETRY = RetryPolicy()
+"""The guard's default: three attempts, pausing 0.05 s then 0.1 s. Only the re-sends the
+evidence allows are made (not sent; class A inside its window; class B proved not to
+have happened); a class C call whose outcome was lost is never re-sent."""
+
+
 class _Again(Exception):
     """This attempt may be repeated with the same key; carries what it saw."""
 
-    def __init__(self, cause: BaseException, claim: Claim | None) -> None:
+    def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
-        self.claim = claim  # a re-send claim (class A window open), if any
 
 
 @dataclass(frozen=True)
@@ -136,8 +157,9 @@ def guard(
         window_s: Class A: how long the provider deduplicates our key.
         key: Explicit key from the call's arguments (same signature as the function).
         recipe: Explicit key from chosen argument fields.
-        tenant: Tenant for explicit keys (position keys take the step's tenant).
-        retry: Attempts and pauses (default: a single attempt).
+        tenant: Tenant for explicit keys outside a step (inside one, every key takes the
+            step's tenant; another tenant here is a ConfigurationError at the call).
+        retry: Attempts and pauses (default: :data:`DEFAULT_RETRY`).
         classify: Outcome of an exception by evidence (default: ambiguous).
         probe: Reconciles an in-doubt entry by asking the provider.
         subject: Data subject whose key encrypts the payloads (default: the run).
@@ -156,7 +178,7 @@ def guard(
         effect,
         pclass,
         window_s,
-        retry or RetryPolicy(max_attempts=1),
+        retry or DEFAULT_RETRY,
         classify,
         probe,
         subject,
@@ -169,16 +191,19 @@ def guard(
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             call_args = dict(bound.arguments)
-            if key is not None:
-                ident = EffectIdentity(
-                    tenant, None, None, 0, effect, 0, explicit=key(*args, **kwargs)
+            if key is not None or recipe is not None:
+                explicit = (
+                    key(*args, **kwargs)
+                    if key is not None
+                    else cast(KeyRecipe, recipe).explicit_key(call_args, ledger.codec)
                 )
-            elif recipe is not None:
-                explicit = recipe.explicit_key(call_args, ledger.codec)
-                ident = EffectIdentity(tenant, None, None, 0, effect, 0, explicit=explicit)
+                ident = explicit_identity(effect, explicit, tenant)
             else:
                 ident = identity_for(effect)
-                expect_key(ledger.key_id(ident))  # a resumed step must not diverge
+            # A resumed step must not diverge; its recorded keys may be under an older
+            # secret than the current one (a rotation between the attempts).
+            candidates = [kid for _, kid in ledger.key_ids(ident)]
+            expect_key(candidates, explicit=ident.explicit is not None)
             return ident, call_args
 
         if inspect.iscoroutinefunction(fn):
@@ -205,7 +230,9 @@ def guard(
 #
 # One loop, written once for both worlds: each attempt claims (or replays, or settles an
 # in-doubt entry by evidence), acts, and records the outcome by evidence. The sync and
-# async wrappers differ only in how they call the act and the ledger.
+# async wrappers differ only in how they call the act and the ledger. No claim outlives
+# the attempt that took it: an ambiguous attempt leaves its entry UNKNOWN, and the next
+# attempt (after its pause) reconciles it into a re-send claim it sends under at once.
 
 
 def _start(span: trace.Span, spec: _Spec, ident: EffectIdentity, key_id: str) -> None:
@@ -225,10 +252,10 @@ def _finish(span: trace.Span, outcome: str, claim: Claim | None, attempt: int) -
 
 def _outcome_of(exc: BaseException) -> str:
     """The span outcome of a call that ends with ``exc``."""
-    if isinstance(exc, EffectInDoubt):
-        return "in_doubt"
-    if isinstance(exc, EffectFailed):
-        return "replayed"  # a recorded definite failure, raised again
+    if isinstance(exc, EffectInDoubt) or not isinstance(exc, Exception):
+        return "in_doubt"  # an interrupt leaves the entry in doubt
+    if isinstance(exc, EffectFailed | ResultUnknown):
+        return "replayed"  # a recorded outcome, raised again
     return "failed"
 
 
@@ -242,7 +269,8 @@ class _Settled(Exception):
 
 def _claim(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim | Replay:
     """A claim or a replay; raises :class:`_Settled` when reconciliation proved that an
-    in-doubt entry happened, :class:`_Again` when it proved it did not."""
+    in-doubt entry happened (or a probe found the result of one resolved without it),
+    :class:`_Again` when it proved it did not."""
     try:
         return spec.ledger.claim(
             ident,
@@ -253,6 +281,8 @@ def _claim(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim | Replay
         )
     except EffectInDoubt as doubt:
         return _reconcile(spec, str(doubt.key_id), doubt)
+    except ResultUnknown as unknown:
+        raise _Settled(_learn_result(spec, unknown)) from None
 
 
 def _claim_settling(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim | Replay:
@@ -267,8 +297,9 @@ def _claim_settling(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim
 
 
 def _reconcile(spec: _Spec, key_id: str, cause: BaseException) -> Claim:
-    """Settle an in-doubt entry by evidence: a re-send claim, or raise :class:`_Settled`
-    (happened), :class:`_Again` (did not happen) or ``EffectInDoubt`` (no evidence)."""
+    """Settle an in-doubt entry by evidence: a re-send claim (class A, window open: send
+    under it now), or raise :class:`_Settled` (happened), :class:`_Again` (did not
+    happen) or ``EffectInDoubt`` (no evidence)."""
     ledger = spec.ledger
     record = ledger.get(key_id)
     if record.status is EffectStatus.NEEDS_HUMAN:
@@ -285,49 +316,115 @@ def _reconcile(spec: _Spec, key_id: str, cause: BaseException) -> Claim:
     if moved.status is EffectStatus.COMMITTED:
         raise _Settled(ledger.replay(key_id))
     if moved.status is EffectStatus.NOT_HAPPENED:
-        raise _Again(cause, None)
+        raise _Again(cause)
     raise EffectInDoubt(key_id, moved.status.value, moved.provider_class.value) from cause
 
 
-def _after_error(spec: _Spec, claim: Claim, exc: BaseException) -> _Again:
+def _learn_result(spec: _Spec, unknown: ResultUnknown) -> Replay:
+    """An operator resolved the entry as happened without its result: ask the adapter's
+    probe for it, record what it found as an audited correction, and replay that.
+
+    Raises:
+        ResultUnknown: No probe, or the probe did not find the effect's result.
+    """
+    key_id = str(unknown.key_id)
+    if spec.probe is None:
+        raise unknown
+    ledger = spec.ledger
+    try:
+        evidence, result = spec.probe(ledger.get(key_id))
+    except Exception as exc:  # not asked is no answer: a person looks
+        raise ResultUnknown(key_id, f"the probe failed: {type(exc).__name__}") from exc
+    if Evidence(evidence) is not Evidence.HAPPENED:
+        raise ResultUnknown(key_id, f"the probe answered {Evidence(evidence).value}")
+    ledger.correct(
+        key_id,
+        result=result,
+        evidence="probe: the provider's result of the effect resolved as happened",
+        actor="probe",
+    )
+    return ledger.replay(key_id)
+
+
+def _after_error(spec: _Spec, claim: Claim, exc: Exception, *, last: bool) -> _Again:
     """Record a failed attempt by evidence; return the retry signal, or raise (the
     original error when rejected; :class:`_Settled` / ``EffectInDoubt`` when the
-    in-doubt attempt was reconciled)."""
+    in-doubt attempt was reconciled, or could not be re-sent)."""
     ledger = spec.ledger
-    outcome = OutcomeClass.AMBIGUOUS if spec.classify is None else spec.classify(exc)
+    outcome = _classified(spec.classify, exc)
     detail = type(exc).__name__
     if outcome is OutcomeClass.NOT_SENT:
         ledger.release(claim, detail, error=exc)
-        return _Again(exc, None)
+        return _Again(exc)
     if outcome is OutcomeClass.REJECTED:
         ledger.fail(claim, type(exc).__name__, str(exc))
         raise exc
     ledger.mark_unknown(claim, detail, error=exc)
+    if spec.provider_class is ProviderClass.DEDUPLICATING:
+        if last:  # a re-send claim now would be left unused, blocking the next call
+            raise EffectInDoubt(
+                claim.key_id,
+                EffectStatus.UNKNOWN.value,
+                ProviderClass.DEDUPLICATING.value,
+                "no attempt left to re-send it; the next call re-sends it with the same key "
+                "while the provider's dedup window is open",
+            ) from exc
+        return _Again(exc)  # the next attempt re-sends it, after its pause
+    if spec.probe is not None and not last:
+        return _Again(exc)  # the next attempt asks the probe, after its pause
+    try:  # the last class B attempt asks its probe now; class C needs a human
+        unused = _reconcile(spec, claim.key_id, exc)
+    except _Again as again:  # proved not to have happened (the next call sends it)
+        return again
+    ledger.give_back(unused, "re-send claim not used")  # only class A re-sends
+    raise EffectInDoubt(unused.key_id, EffectStatus.UNKNOWN.value, spec.provider_class.value)
+
+
+def _classified(
+    classify: Callable[[BaseException], OutcomeClass] | None, exc: Exception
+) -> OutcomeClass:
+    """The outcome of ``exc`` by the adapter's evidence; ambiguous when there is none, or
+    when the classifier itself fails (the claim is never left open)."""
+    if classify is None:
+        return OutcomeClass.AMBIGUOUS
     try:
-        return _Again(exc, _reconcile(spec, claim.key_id, exc))
-    except _Again as again:  # proved not to have happened: send again
-        return _Again(exc, again.claim)
+        return OutcomeClass(classify(exc))
+    except Exception:  # no evidence: in doubt
+        log.exception("classifying %s failed; the attempt is in doubt", type(exc).__name__)
+        return OutcomeClass.AMBIGUOUS
+
+
+def _interrupted(ledger: Ledger, claim: Claim, exc: BaseException) -> None:
+    """An interrupt arrived while acting: in doubt (UNKNOWN) if the ledger can be
+    written, else the claim lapses with its lease; never reconciled, never raises."""
+    try:
+        ledger.mark_unknown(claim, f"interrupted: {type(exc).__name__}")
+    except Exception:  # noqa: BLE001  (the claim lapses with its lease instead)
+        log.warning(
+            "interrupted while acting on %s…; the ledger could not record it in doubt, so "
+            "its claim lapses with its lease",
+            claim.key_id[:16],
+        )
 
 
 def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], Any]) -> Any:
     ledger = spec.ledger
+    attempts = spec.retry.max_attempts
     with _tracer.start_as_current_span(
         f"execute_tool {spec.effect}", record_exception=False, set_status_on_exception=False
     ) as span:
         _start(span, spec, ident, ledger.key_id(ident))
-        resend: Claim | None = None
         attempt = 0
         last: BaseException | None = None
         try:
-            for attempt in range(1, spec.retry.max_attempts + 1):
+            for attempt in range(1, attempts + 1):
                 if attempt > 1:
                     time.sleep(spec.retry.pause_before(attempt))
                 try:
-                    out = resend if resend is not None else _claim_settling(spec, ident, call_args)
+                    out = _claim_settling(spec, ident, call_args)
                 except _Again as again:  # reconciled as not happened: claim anew
-                    resend, last = again.claim, again.cause
+                    last = again.cause
                     continue
-                resend = None
                 if isinstance(out, Replay):
                     _finish(span, "replayed", None, attempt)
                     return out.result
@@ -335,10 +432,12 @@ def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], A
                 try:
                     with _acting(out):
                         result = act()
-                except BaseException as exc:  # noqa: BLE001  (recorded by evidence)
-                    signal = _after_error(spec, out, exc)
-                    resend, last = signal.claim, exc
+                except Exception as exc:  # noqa: BLE001  (recorded by evidence)
+                    last = _after_error(spec, out, exc, last=attempt == attempts).cause
                     continue
+                except BaseException as exc:  # an interrupt: in doubt, and stop
+                    _interrupted(ledger, out, exc)
+                    raise
                 failpoint("adapters.act.after")
                 ledger.commit(out, result)
                 _finish(span, "executed", out, attempt)
@@ -357,37 +456,44 @@ def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], A
 async def _run_async(
     spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], Awaitable[Any]]
 ) -> Any:
-    """The same loop for coroutines; ledger writes run on the ledger's thread pool."""
-    import asyncio  # noqa: PLC0415
+    """The same loop for coroutines; ledger calls run on the ledger's thread pool, each in
+    a copy of the caller's context (context variables reach the ledger).
 
-    loop = asyncio.get_running_loop()
-    pool = spec.ledger.executor()
+    A cancellation is an interrupt: while acting, the entry is left in doubt as if the
+    process had been killed; while a claim is being recorded, the claim is given back
+    once it is (nothing was sent under it).
+    """
+    ledger = spec.ledger
+    pool = ledger.executor()
+    attempts = spec.retry.max_attempts
 
     async def call(fn: Callable[[], Any]) -> Any:
-        return await loop.run_in_executor(pool, fn)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(pool, contextvars.copy_context().run, fn)
 
-    ledger = spec.ledger
+    async def claim() -> Claim | Replay:
+        done = pool.submit(contextvars.copy_context().run, _claim_settling, spec, ident, call_args)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(done))
+        except asyncio.CancelledError:
+            done.add_done_callback(functools.partial(_give_back_unused, ledger))
+            raise
+
     with _tracer.start_as_current_span(
         f"execute_tool {spec.effect}", record_exception=False, set_status_on_exception=False
     ) as span:
         _start(span, spec, ident, ledger.key_id(ident))
-        resend: Claim | None = None
         attempt = 0
         last: BaseException | None = None
         try:
-            for attempt in range(1, spec.retry.max_attempts + 1):
+            for attempt in range(1, attempts + 1):
                 if attempt > 1:
                     await asyncio.sleep(spec.retry.pause_before(attempt))
                 try:
-                    out = (
-                        resend
-                        if resend is not None
-                        else await call(functools.partial(_claim_settling, spec, ident, call_args))
-                    )
+                    out = await claim()
                 except _Again as again:
-                    resend, last = again.claim, again.cause
+                    last = again.cause
                     continue
-                resend = None
                 if isinstance(out, Replay):
                     _finish(span, "replayed", None, attempt)
                     return out.result
@@ -395,10 +501,18 @@ async def _run_async(
                 try:
                     with _acting(out):
                         result = await act()
-                except BaseException as exc:  # noqa: BLE001  (recorded by evidence)
-                    signal = await call(functools.partial(_after_error, spec, out, exc))
-                    resend, last = signal.claim, exc
+                except Exception as exc:  # noqa: BLE001  (recorded by evidence)
+                    final = attempt == attempts
+                    after = functools.partial(_after_error, spec, out, exc, last=final)
+                    last = (await call(after)).cause
                     continue
+                except BaseException as exc:  # cancelled or interrupted: in doubt, and stop
+                    done = pool.submit(
+                        contextvars.copy_context().run, _interrupted, ledger, out, exc
+                    )
+                    with contextlib.suppress(asyncio.CancelledError):  # it finishes anyway
+                        await asyncio.shield(asyncio.wrap_future(done))
+                    raise
                 failpoint("adapters.act.after")
                 await call(functools.partial(ledger.commit, out, result))
                 _finish(span, "executed", out, attempt)
@@ -412,3 +526,12 @@ async def _run_async(
         _finish(span, _outcome_of(last) if last is not None else "failed", None, attempt)
         assert last is not None
         raise last
+
+
+def _give_back_unused(ledger: Ledger, done: concurrent.futures.Future[Claim | Replay]) -> None:
+    """A claim recorded for a task that was cancelled meanwhile: nothing was sent."""
+    if done.cancelled() or done.exception() is not None:
+        return
+    out = done.result()
+    if isinstance(out, Claim):
+        ledger.give_back(out, "cancelled before acting")

@@ -12,7 +12,8 @@ classified by evidence:
 * 409 (the provider is still working on our key), 5xx, other statuses, read timeouts
   and broken connections after sending → *ambiguous* (:class:`HTTPAmbiguous` or the
   ``httpx`` error): class A re-sends with the same key while its window is open, class B
-  asks the ``lookup`` endpoint, class C needs a human.
+  asks the ``lookup`` endpoint (and re-sends what it proves did not happen), class C
+  needs a human. The default retry policy makes every re-send this evidence allows.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ class GuardedHTTP:
     Args:
         client: The client (timeouts, base URL, auth, transport are its own).
         ledger: The effects ledger.
-        retry: Attempts and pauses (default: a single attempt).
+        retry: Attempts and pauses (default: :data:`adapters.DEFAULT_RETRY`: every re-send
+            the evidence allows, a bounded number of times).
     """
 
     def __init__(
@@ -208,7 +210,9 @@ class GuardedHTTP:
 
         Raises:
             HTTPRejected: Definite refusal (recorded; replayed as ``EffectFailed``).
-            ledger.EffectInDoubt: The outcome is unknown and no evidence settles it.
+            ledger.EffectInDoubt: The outcome is unknown and no evidence settles it (class
+                A: no attempt was left to re-send it; the next call re-sends it while the
+                window is open).
             ledger.EffectFailed: Replay of an earlier definite failure.
             httpx.HTTPError / HTTPAmbiguous: Retries exhausted.
         """

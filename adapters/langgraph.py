@@ -172,7 +172,7 @@ class ToolPolicy:
         probe: Class B: asks the provider about an in-doubt call by its
             ``provider_key``; a found result becomes the replayed message's content.
         classify: The outcome of a tool exception by evidence (default: ambiguous).
-        retry: Attempts and pauses (default: a single attempt).
+        retry: Attempts and pauses (default: :data:`adapters.DEFAULT_RETRY`).
         effect: The effect's ``name@version`` (default: ``"<tool name>@1"``); bump the
             version when the tool's meaning changes.
     """
@@ -243,7 +243,7 @@ class ToolGuard:
         ledger: The effects ledger.
         policies: Per tool name.
         default: The policy of every other tool (default: class C, every exception
-            ambiguous, one attempt).
+            ambiguous: never re-sent).
         tenant: The tenant of every key.
         messages_key: The state key of the message list (as given to ``ToolNode``).
         checkpoint_wait_s: How long a call waits for the checkpointer to hold the

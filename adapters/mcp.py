@@ -258,7 +258,8 @@ class GuardedMCP:
             (``async with client``) before calling tools.
         ledger: The effects ledger.
         policies: Per tool name, what it guarantees; other tools are class C.
-        retry: Attempts and pauses (default: a single attempt).
+        retry: Attempts and pauses (default: :data:`adapters.DEFAULT_RETRY`: every re-send
+            the evidence allows, a bounded number of times).
         timeout_s: Read timeout of each call (default: the client's).
     """
 

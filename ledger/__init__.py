@@ -16,6 +16,7 @@ from .errors import (
     LedgerError,
     LedgerUnavailable,
     PayloadErased,
+    ResultUnknown,
     RunFenced,
     SubjectErased,
     UnknownEffect,
@@ -24,6 +25,7 @@ from .fence import RunFence, current_fence, run_fence
 from .keys import EffectIdentity, KeyRecipe, Keyring, Secret
 from .ledger import Ledger
 from .records import (
+    UNKNOWN_RESULT,
     Claim,
     EffectRecord,
     EffectStatus,
@@ -35,7 +37,8 @@ from .records import (
     RetentionPolicy,
 )
 
-__all__ = [
+# Plain sorted, as tests/test_public_api.py checks (isort-style would put constants first).
+__all__ = [  # noqa: RUF022
     "AuditReport",
     "Claim",
     "EffectFailed",
@@ -58,11 +61,13 @@ __all__ = [
     "PayloadErased",
     "ProviderClass",
     "Replay",
+    "ResultUnknown",
     "RetentionPolicy",
     "RunFence",
     "RunFenced",
     "Secret",
     "SubjectErased",
+    "UNKNOWN_RESULT",
     "UnknownEffect",
     "current_fence",
     "migrate",

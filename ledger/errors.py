@@ -8,6 +8,7 @@
         ├── EffectInFlight       another worker holds a live claim on the key
         ├── EffectInDoubt        the effect may or may not have happened: reconcile it
         ├── EffectFailed         the effect failed definitely (recorded; replayed as such)
+        ├── ResultUnknown        the effect happened, but its result was never recorded
         ├── PayloadErased        the effect's data key was erased; its payload is gone
         ├── SubjectErased        a new effect for an erased data subject is refused
         ├── LedgerUnavailable    the ledger cannot be written: nothing is acted on
@@ -34,6 +35,7 @@ __all__ = [
     "LedgerError",
     "LedgerUnavailable",
     "PayloadErased",
+    "ResultUnknown",
     "RunFenced",
     "SubjectErased",
     "UnknownEffect",
@@ -148,6 +150,31 @@ class EffectFailed(LedgerError):
         self.message = message
         self.info = info
         super().__init__(f"effect {key_id[:16]}… failed definitely: {error_type}: {message}")
+
+
+class ResultUnknown(LedgerError):
+    """The effect happened, but its result was never recorded: an operator resolved it as
+    happened without giving the provider's result. Nothing was sent again.
+
+    A step that needs the result cannot go on; one that does not may catch this. Record
+    the result with ``onceonly effects correct KEY --result JSON --evidence TEXT`` (or
+    :meth:`ledger.Ledger.correct`), then retry the run: the effect replays it.
+
+    Attributes:
+        key_id: The effect's key id.
+        detail: What was tried to learn the result (a probe's answer), if anything.
+    """
+
+    def __init__(self, key_id: str, detail: str = "") -> None:
+        self.key_id = key_id
+        self.detail = detail
+        extra = f" ({detail})" if detail else ""
+        super().__init__(
+            f"effect {key_id[:16]}… happened, but its result is unknown (it was resolved as "
+            f"happened without one){extra}; it was not sent again. Record the provider's "
+            f"result with `onceonly effects correct {key_id} --result JSON --evidence TEXT`, "
+            f"then retry the run"
+        )
 
 
 class PayloadErased(LedgerError):

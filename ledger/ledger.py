@@ -3,16 +3,20 @@
 Every transition is one write transaction through the checkpoint store's write barrier
 (:meth:`checkpoint.Store.transact`): pending checkpoints and the transition commit
 together, and in ``async`` durability concurrent claims share one group commit. Every
-transition is a compare-and-set on ``(key_id, epoch, status)``; a stale worker's write
-raises :class:`~ledger.errors.LeaseLost` and changes nothing. Every transition appends a
-hash-chained audit event in the same transaction.
+transition is a compare-and-set on ``(key_id, epoch, status)``; a stale worker's outcome
+changes nothing but is itself recorded (a ``late_outcome`` audit event, and a warning on
+the ``onceonly.ledger`` logger) before :class:`~ledger.errors.LeaseLost` is raised. Every
+transition appends a hash-chained audit event in the same transaction.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import contextvars
 import functools
+import logging
 import os
 import socket
 import threading
@@ -43,12 +47,14 @@ from .errors import (
     LedgerError,
     LedgerUnavailable,
     PayloadErased,
+    ResultUnknown,
     SubjectErased,
     UnknownEffect,
 )
 from .fence import RunFence, check_fence, current_fence
 from .keys import EffectIdentity, Keyring, canonical_args
 from .records import (
+    UNKNOWN_RESULT,
     Claim,
     EffectRecord,
     EffectStatus,
@@ -62,6 +68,7 @@ from .records import (
 __all__ = ["Ledger"]
 
 T = TypeVar("T")
+log = logging.getLogger("onceonly.ledger")
 _COLS = _schema.COLUMNS
 ERASED = b""  # an outcome recorded after its subject was erased: no payload
 _SELECT = SELECT
@@ -75,6 +82,22 @@ _RECORD_POINTS = {
     "unknown": ("ledger.mark_unknown.before", "ledger.mark_unknown.after"),
     "not_sent": ("ledger.release.before", "ledger.release.after"),
 }
+
+
+# A finished row may be cached (and replayed from memory) only if its outcome can never
+# change: one a worker recorded from the provider's answer. Outcomes settled by a probe or
+# an operator may be corrected (:meth:`Ledger.correct`), so they are read afresh each time.
+_SETTLED_BY_ANSWER = (OutcomeClass.SUCCEEDED.value, OutcomeClass.REJECTED.value)
+
+
+def _cacheable(row: Row) -> bool:
+    return row["status"] in _TERMINAL and row["outcome_class"] in _SETTLED_BY_ANSWER
+
+
+def _interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` stops the process or task rather than reports how the call went
+    (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError, ...)."""
+    return not isinstance(exc, Exception)
 
 
 @dataclass(frozen=True)
@@ -253,6 +276,8 @@ class Ledger(QueryMixin):
             EffectFailed: The effect failed definitely before; its error is replayed.
             EffectInFlight: Another worker holds a live claim (after waiting per policy).
             EffectInDoubt: The effect is UNKNOWN or NEEDS_HUMAN: reconcile it first.
+            ResultUnknown: It happened (an operator said so) but its result is unknown;
+                not performed again (:meth:`correct` records the result).
             PayloadErased: Recorded, but the payload was erased; not performed again.
             LedgerUnavailable: The intent could not be recorded; do not act.
         """
@@ -301,7 +326,7 @@ class Ledger(QueryMixin):
                 assert out.claim is not None
                 return out.claim
             if out.kind == "replay":
-                self._terminal[out.row["key_id"]] = out.row
+                self._remember(out.row)
                 return self._replay(out.row)
             if out.kind == "reuse":
                 raise KeyReuseError(out.row["key_id"], out.row["effect"])
@@ -490,6 +515,10 @@ class Ledger(QueryMixin):
         raises, ``classify`` decides by evidence: NOT_SENT releases the claim (a later
         call may send), REJECTED records a definite failure, anything else (the default:
         we cannot know whether it happened) records UNKNOWN. The exception is re-raised.
+        An interrupt (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``, a
+        cancelled task: any ``BaseException`` that is not an ``Exception``) is not
+        classified: the entry is left in doubt (UNKNOWN, or the claim lapses if the
+        ledger cannot be written) and the interrupt itself is re-raised.
 
         Raises:
             Everything :meth:`claim` raises, and whatever ``act`` raised.
@@ -502,8 +531,11 @@ class Ledger(QueryMixin):
         failpoint("adapters.act.before")
         try:
             result = act(out)
-        except BaseException as exc:
+        except Exception as exc:
             self._record_failure(out, exc, classify)
+            raise
+        except BaseException as exc:
+            self._record_interrupt(out, exc)
             raise
         failpoint("adapters.act.after")
         self._commit_row(out, result)
@@ -521,33 +553,69 @@ class Ledger(QueryMixin):
         classify: Callable[[BaseException], OutcomeClass] | None = None,
     ) -> T:
         """:meth:`perform` for coroutines. Ledger writes run on a thread pool, so with
-        ``async`` store durability concurrent calls share group commits."""
-        loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(
-            self.executor(),
+        ``async`` store durability concurrent calls share group commits; each runs in a
+        copy of the caller's context (context variables reach the ledger).
+
+        A cancellation while the act runs is an interrupt (see :meth:`perform`): the entry
+        is left in doubt, as if the process had been killed there. A cancellation while
+        the claim is being recorded gives the claim back once it is (nothing was sent).
+        """
+        out = await self._claim_in_thread(
             lambda: self.claim(
                 identity, args, provider_class=provider_class, window_s=window_s, subject=subject
-            ),
+            )
         )
         if isinstance(out, Replay):
             return out.result  # type: ignore[no-any-return]
         failpoint("adapters.act.before")
         try:
             result = await act(out)
+        except Exception as exc:
+            await self._in_thread(functools.partial(self._record_failure, out, exc, classify))
+            raise
         except BaseException as exc:
-            await loop.run_in_executor(
-                self.executor(), functools.partial(self._record_failure, out, exc, classify)
-            )
+            await self._in_thread_to_the_end(functools.partial(self._record_interrupt, out, exc))
             raise
         failpoint("adapters.act.after")
-        await loop.run_in_executor(self.executor(), lambda: self.commit(out, result))
+        await self._in_thread(lambda: self.commit(out, result))
         return result
+
+    async def _in_thread(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the ledger's thread pool, in a copy of the caller's context."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor(), contextvars.copy_context().run, fn)
+
+    async def _in_thread_to_the_end(self, fn: Callable[[], None]) -> None:
+        """:meth:`_in_thread`, awaited to its end even if the task is cancelled (again)
+        meanwhile: the write finishes on its thread regardless, and the caller is about
+        to re-raise its own interrupt."""
+        done = self.executor().submit(contextvars.copy_context().run, fn)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(asyncio.wrap_future(done))
+
+    async def _claim_in_thread(self, fn: Callable[[], Claim | Replay]) -> Claim | Replay:
+        """:meth:`_in_thread` for a claim: cancelled while it is being recorded, the claim
+        (taken on its thread regardless) is given back as soon as it is taken."""
+        done = self.executor().submit(contextvars.copy_context().run, fn)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(done))
+        except asyncio.CancelledError:
+            done.add_done_callback(self._give_back_unused)
+            raise
+
+    def _give_back_unused(self, done: concurrent.futures.Future[Claim | Replay]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        out = done.result()
+        if isinstance(out, Claim):
+            self.give_back(out, "cancelled before acting")
 
     def replay(self, key_id: str) -> Replay:
         """The recorded outcome of a finished entry, without acting.
 
         Raises:
             EffectFailed: The entry failed definitely (its recorded error).
+            ResultUnknown: The entry happened, but its result was never recorded.
             InvalidTransition: The entry has no definite outcome yet.
             UnknownEffect: No such entry.
         """
@@ -573,13 +641,47 @@ class Ledger(QueryMixin):
         if pool is not None:
             pool.shutdown(wait=True)
 
+    def give_back(self, claim: Claim, detail: str = "not used") -> None:
+        """Return a claim nothing was sent under: a first claim or a re-claim of an entry
+        that did not happen is released (NOT_HAPPENED); a re-send claim goes back to
+        UNKNOWN (an earlier attempt may have happened), for the next call to reconcile.
+        Never raises: if the ledger cannot be written, the claim lapses with its lease.
+
+        Args:
+            claim: A live claim of this ledger's that was not acted on.
+            detail: A short plaintext note for the audit trail (no personal data).
+        """
+        try:
+            if claim.resend:
+                self.mark_unknown(claim, detail)
+            else:
+                self.release(claim, detail)
+        except Exception:  # noqa: BLE001  (the claim lapses with its lease instead)
+            log.warning("could not give back the unused claim on %s…", claim.key_id[:16])
+
+    def _record_interrupt(self, claim: Claim, exc: BaseException) -> None:
+        """An interrupt arrived while acting: in doubt (UNKNOWN) if the ledger can be
+        written, else the claim lapses; never reconciled here, and never raises."""
+        try:
+            self.mark_unknown(claim, f"interrupted: {type(exc).__name__}")
+        except Exception:  # noqa: BLE001  (the claim lapses with its lease instead)
+            log.warning(
+                "interrupted while acting on %s…; the ledger could not record it in doubt, "
+                "so its claim lapses with its lease",
+                claim.key_id[:16],
+            )
+
     def _record_failure(
         self,
         claim: Claim,
         exc: BaseException,
         classify: Callable[[BaseException], OutcomeClass] | None,
     ) -> None:
-        outcome = OutcomeClass.AMBIGUOUS if classify is None else classify(exc)
+        try:
+            outcome = OutcomeClass.AMBIGUOUS if classify is None else OutcomeClass(classify(exc))
+        except Exception:  # no evidence: in doubt (the claim is never left open)
+            log.exception("classifying %s failed; the attempt is in doubt", type(exc).__name__)
+            outcome = OutcomeClass.AMBIGUOUS
         # Exception messages may carry personal data: only the type goes into the
         # (plaintext) audit detail; the message is sealed with the entry's payloads.
         detail = type(exc).__name__
@@ -596,7 +698,8 @@ class Ledger(QueryMixin):
         ledger could lose).
 
         Raises:
-            LeaseLost: The claim is stale; nothing changed.
+            LeaseLost: The claim is stale: the outcome was refused, and the refusal is
+                recorded in the entry's audit chain (a ``late_outcome`` event) and logged.
             LedgerUnavailable: Not recorded; this ledger now refuses further work.
         """
         return _record(self._commit_row(claim, result))
@@ -760,7 +863,15 @@ class Ledger(QueryMixin):
         return Claim(**{**claim.__dict__, "lease_expires_at": until})
 
     def _finish(self, claim: Claim, event: str, changes: Row, detail: str) -> Row:
-        def txn(cur: Any) -> Row:
+        """Record an attempt's outcome: compare-and-set on the claim's epoch.
+
+        The transaction is idempotent: run again after a commit whose result was lost
+        (the connection dropped at COMMIT), it finds its own outcome and returns it. A
+        stale claim's outcome is refused, and the refusal itself is recorded (a
+        ``late_outcome`` event, committed) before :class:`LeaseLost` is raised.
+        """
+
+        def txn(cur: Any) -> tuple[Row, LeaseLost | None]:
             q = self._q
             lock = " FOR UPDATE" if self._pg else ""
             cur.execute(f"{_SELECT} WHERE key_id = {q}{lock}", (claim.key_id,))
@@ -769,7 +880,6 @@ class Ledger(QueryMixin):
                 raise UnknownEffect(claim.key_id)
             row = _row(found)
             self._check_row(cur, row)
-            moved = None
             if int(row["epoch"]) == claim.epoch and row["status"] == EffectStatus.CLAIMED.value:
                 moved = self._transition(
                     cur,
@@ -781,17 +891,64 @@ class Ledger(QueryMixin):
                     detail=detail,
                     epoch=claim.epoch,
                 )
-            if moved is None:
-                raise LeaseLost(claim.key_id, claim.epoch, int(row["epoch"]), row["status"])
-            return moved
+                if moved is not None:
+                    return moved, None
+            if self._recorded_already(cur, row, claim, event, changes):
+                return row, None
+            now = self._clock()
+            status, epoch = row["status"], int(row["epoch"])
+            reported = f"{event} ({detail})" if detail else event
+            self._append(
+                cur,
+                {**row, "updated_at": now},
+                "late_outcome",
+                claim.lease_owner,
+                f"refused {reported} from stale epoch {claim.epoch}; the entry is {status} "
+                f"at epoch {epoch}",
+                epoch=claim.epoch,
+            )
+            return row, LeaseLost(claim.key_id, claim.epoch, epoch, status)
 
         failpoint(_RECORD_POINTS[event][0])
         try:
-            row = self._write(txn, outcome=True)
+            row, lost = self._write(txn, outcome=True)
         finally:
             self._live.discard((claim.key_id, claim.epoch))
+        if lost is not None:
+            log.warning(
+                "late outcome refused: %s of effect %s… by %s at stale epoch %d (the entry is "
+                "%s at epoch %d); recorded in the audit chain of %s as late_outcome",
+                event,
+                claim.key_id[:16],
+                claim.lease_owner,
+                claim.epoch,
+                lost.status,
+                lost.current_epoch,
+                claim.chain,
+            )
+            raise lost
         failpoint(_RECORD_POINTS[event][1])
         return row
+
+    def _recorded_already(self, cur: Any, row: Row, claim: Claim, event: str, changes: Row) -> bool:
+        """Whether the row holds exactly this outcome, recorded by this claim (its last
+        event is ours at this epoch): an earlier run of the same outcome transaction
+        committed. The sealed payloads carry random nonces, so equal ciphertexts can
+        only be this transaction's own."""
+        if int(row["epoch"]) != claim.epoch or any(row[c] != v for c, v in changes.items()):
+            return False
+        q = self._q
+        cur.execute(
+            f"SELECT event, actor, epoch FROM oo_audit WHERE chain = {q} AND key_id = {q} "
+            f"ORDER BY seq DESC LIMIT 1",
+            (row["chain"], row["key_id"]),
+        )
+        last = cur.fetchone()
+        return last is not None and (str(last[0]), str(last[1]), int(last[2])) == (
+            event,
+            claim.lease_owner,
+            claim.epoch,
+        )
 
     def _lost(self, cur: Any, claim: Claim) -> LeaseLost:
         cur.execute(
@@ -892,8 +1049,7 @@ class Ledger(QueryMixin):
         failpoint("ledger.reconcile.before")
         row, resend = self._write(txn, outcome=False)
         failpoint("ledger.reconcile.after")
-        if row["status"] in _TERMINAL:
-            self._terminal[key_id] = row
+        self._remember(row)
         if resend:
             return self._claim_of(row, resend=True)
         return _record(row)
@@ -905,12 +1061,28 @@ class Ledger(QueryMixin):
         happened: bool,
         evidence: str,
         actor: str,
-        result: Any = None,
+        result: Any = UNKNOWN_RESULT,
     ) -> EffectRecord:
         """An operator's decision on an in-doubt effect, recorded with evidence and identity.
 
+        Args:
+            key_id: The entry.
+            happened: Whether the provider shows the effect.
+            evidence: What the operator checked (kept in the audit trail).
+            actor: Who decided.
+            result: What the provider answered (any codec-encodable value, ``None``
+                included), replayed to the step. Left out (:data:`UNKNOWN_RESULT`), the
+                entry is "happened, result unknown": a replay raises
+                :class:`ResultUnknown` (the guard first asks the adapter's probe) until
+                :meth:`correct` records the result. Ignored when it did not happen.
+
+        Running the same resolution again (the same decision, evidence and actor) returns
+        the entry and changes nothing: an operator action whose answer was lost can be
+        retried.
+
         Raises:
-            InvalidTransition: The entry is not UNKNOWN, NEEDS_HUMAN or an expired claim.
+            InvalidTransition: The entry is not UNKNOWN, NEEDS_HUMAN or an expired claim
+                (and not already resolved by this very decision).
             ConfigurationError: No evidence or actor given.
         """
         if not evidence.strip() or not actor.strip():
@@ -927,15 +1099,11 @@ class Ledger(QueryMixin):
                 status not in (EffectStatus.UNKNOWN.value, EffectStatus.NEEDS_HUMAN.value)
                 and not expired
             ):
+                if self._resolved_already(cur, row, happened, result, evidence, actor):
+                    return row  # this very decision, run again (its answer was lost)
                 raise InvalidTransition(key_id, status, "resolve")
             changes: Row = {"lease_owner": None, "lease_expires_at": None}
-            if happened:
-                changes["result_ct"] = self._seal_outcome(
-                    row["subject"], key_id, "result", result, cur
-                )
-                changes["status"] = EffectStatus.COMMITTED.value
-            else:
-                changes["status"] = EffectStatus.NOT_HAPPENED.value
+            changes.update(self._decided(cur, row, happened, result))
             return self._must(
                 self._transition(
                     cur, row, "resolved", changes, expect=status, actor=actor, detail=evidence
@@ -944,9 +1112,116 @@ class Ledger(QueryMixin):
             )
 
         row = self._write(txn, outcome=False)
-        if row["status"] in _TERMINAL:
-            self._terminal[key_id] = row
+        self._remember(row)
         return _record(row)
+
+    def _resolved_already(
+        self, cur: Any, row: Row, happened: bool, result: Any, evidence: str, actor: str
+    ) -> bool:
+        """Whether the entry's last event is this very resolution (same decision, evidence
+        and actor): an operator action whose answer was lost (the process died after the
+        commit, before waking the run) may then be run again."""
+        want = EffectStatus.COMMITTED.value if happened else EffectStatus.NOT_HAPPENED.value
+        if row["status"] != want:
+            return False
+        if happened and (row["result_ct"] is None) != (result is UNKNOWN_RESULT):
+            return False
+        cur.execute(
+            f"SELECT event, actor, detail FROM oo_audit WHERE chain = {self._q} "
+            f"AND key_id = {self._q} ORDER BY seq DESC LIMIT 1",
+            (row["chain"], row["key_id"]),
+        )
+        last = cur.fetchone()
+        return last is not None and tuple(map(str, last)) == ("resolved", actor, evidence)
+
+    def correct(
+        self,
+        key_id: str,
+        *,
+        happened: bool = True,
+        result: Any = UNKNOWN_RESULT,
+        evidence: str,
+        actor: str,
+    ) -> EffectRecord:
+        """Correct an operator's resolution: record the result it left out, or a better
+        one, or that the effect did (not) happen after all. Recorded as a ``corrected``
+        audit event with the evidence and the actor.
+
+        Only outcomes that came from :meth:`resolve` (or an earlier correction) can be
+        corrected: an outcome the provider answered or a probe found is evidence, not a
+        decision. Once the entry was sent again after a "did not happen", the new
+        attempt's outcome stands. Correcting to "did not happen" lets the next claim send
+        the effect again; a run that replayed the old result keeps what it did with it.
+
+        Args:
+            key_id: The entry.
+            happened: Whether the effect happened.
+            result: What the provider answered (see :meth:`resolve`); left out, the result
+                is unknown. Only with ``happened``.
+            evidence: What was checked (kept in the audit trail).
+            actor: Who corrects.
+
+        Returns:
+            The corrected entry.
+
+        Raises:
+            InvalidTransition: The entry's outcome did not come from an operator.
+            ConfigurationError: No evidence or actor given, or a result for an effect that
+                did not happen.
+            UnknownEffect: No such entry.
+        """
+        if not evidence.strip() or not actor.strip():
+            raise ConfigurationError("correct needs the evidence and the operator's identity")
+        if not happened and result is not UNKNOWN_RESULT:
+            raise ConfigurationError("an effect that did not happen has no result to record")
+
+        def txn(cur: Any) -> Row:
+            row = self._locked_row(cur, key_id)
+            status = row["status"]
+            cur.execute(
+                f"SELECT event FROM oo_audit WHERE chain = {self._q} AND key_id = {self._q} "
+                f"ORDER BY seq DESC LIMIT 1",
+                (row["chain"], key_id),
+            )
+            last = cur.fetchone()
+            decided = last is not None and str(last[0]) in ("resolved", "corrected")
+            if not decided or status not in (
+                EffectStatus.COMMITTED.value,
+                EffectStatus.NOT_HAPPENED.value,
+            ):
+                raise InvalidTransition(
+                    key_id,
+                    status if last is None else f"{status} (by {last[0]})",
+                    "correct an outcome that no operator decided (only `effects resolve` "
+                    "outcomes are corrected)",
+                )
+            return self._must(
+                self._transition(
+                    cur,
+                    row,
+                    "corrected",
+                    self._decided(cur, row, happened, result),
+                    expect=status,
+                    actor=actor,
+                    detail=evidence,
+                ),
+                key_id,
+            )
+
+        row = self._write(txn, outcome=False)
+        self._remember(row)
+        return _record(row)
+
+    def _decided(self, cur: Any, row: Row, happened: bool, result: Any) -> Row:
+        """The changes of an operator's decision (resolve, correct)."""
+        if not happened:
+            return {"status": EffectStatus.NOT_HAPPENED.value, "result_ct": None}
+        sealed = (
+            None
+            if result is UNKNOWN_RESULT
+            else self._seal_outcome(row["subject"], row["key_id"], "result", result, cur)
+        )
+        return {"status": EffectStatus.COMMITTED.value, "result_ct": sealed}
 
     def _must(self, row: Row | None, key_id: str) -> Row:
         if row is None:
@@ -1060,8 +1335,20 @@ class Ledger(QueryMixin):
         self._append(cur, new, event, actor, detail)
         return new
 
-    def _append(self, cur: Any, row: Row, event: str, actor: str, detail: str) -> None:
+    def _append(
+        self,
+        cur: Any,
+        row: Row,
+        event: str,
+        actor: str,
+        detail: str,
+        *,
+        epoch: int | None = None,
+    ) -> None:
         """Append an event to the row's chain, linked to the chain's current last event.
+
+        The event records the row's state (status, digest); ``epoch`` overrides the
+        event's epoch (a refused late outcome names the stale epoch it came from).
 
         The insert only succeeds if the event it links to is still the last one (and its
         sequence number is free), so a stale cached head, a rolled-back transaction or a
@@ -1072,6 +1359,7 @@ class Ledger(QueryMixin):
         chain = row["chain"]
         digest = row_digest(row)
         at = float(row["updated_at"])
+        event_epoch = int(row["epoch"]) if epoch is None else epoch
         head = self._heads.get(chain)
         cols = (
             "chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
@@ -1093,7 +1381,7 @@ class Ledger(QueryMixin):
                 seq,
                 row["key_id"],
                 event,
-                int(row["epoch"]),
+                event_epoch,
                 row["status"],
                 actor,
                 detail,
@@ -1105,7 +1393,7 @@ class Ledger(QueryMixin):
                 seq,
                 row["key_id"],
                 event,
-                int(row["epoch"]),
+                event_epoch,
                 row["status"],
                 actor,
                 detail,
@@ -1217,11 +1505,23 @@ class Ledger(QueryMixin):
         rows = self.store.read(scan)
         with self._lock:
             for row in rows:
-                self._terminal[row["key_id"]] = row
+                if _cacheable(row):
+                    self._terminal[row["key_id"]] = row
             self._prefetched.add(run_id)
         return len(rows)
 
+    def _remember(self, row: Row) -> None:
+        """Cache a finished row for replay from memory, if its outcome can never change."""
+        if _cacheable(row):
+            self._terminal[row["key_id"]] = row
+        else:
+            self._terminal.pop(row["key_id"], None)
+
     def _replay(self, row: Row) -> Replay:
+        if row["result_ct"] is None and row["status"] == EffectStatus.COMMITTED.value:
+            # Every recorded commit seals a value (None included): no ciphertext means an
+            # operator said it happened without saying what the provider answered.
+            raise ResultUnknown(row["key_id"])
         try:
             if row["status"] == EffectStatus.FAILED.value:
                 info = self._open(row, "error")

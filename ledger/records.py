@@ -10,6 +10,7 @@ from typing import Any
 from checkpoint.errors import ConfigurationError
 
 __all__ = [
+    "UNKNOWN_RESULT",
     "Claim",
     "EffectRecord",
     "EffectStatus",
@@ -20,6 +21,19 @@ __all__ = [
     "Replay",
     "RetentionPolicy",
 ]
+
+
+class _Unknown(enum.Enum):
+    UNKNOWN_RESULT = "UNKNOWN_RESULT"
+
+    def __repr__(self) -> str:
+        return "UNKNOWN_RESULT"
+
+
+UNKNOWN_RESULT: Any = _Unknown.UNKNOWN_RESULT
+"""The result of an effect that happened when nobody knows what the provider answered:
+the default of ``Ledger.resolve(..., happened=True)`` and ``Ledger.correct``. Recorded
+apart from a result of ``None``; replaying it raises :class:`~ledger.ResultUnknown`."""
 
 
 class EffectStatus(enum.StrEnum):

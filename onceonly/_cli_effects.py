@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ledger import EffectStatus
+from ledger import UNKNOWN_RESULT, EffectRecord, EffectStatus
 
 from ._cli_common import (
     AS_HELP,
@@ -93,16 +93,29 @@ def effects_show(key_id: str, url: str | None, payload: bool, as_json: bool) -> 
         rec = ledger.get(key_id)
         events = [
             {k: (v.hex() if isinstance(v, bytes | memoryview) else v) for k, v in e.items()}
-            for e in ledger.audit_events(rec.run_id or f"tenant:{rec.tenant}")
-            if e["key_id"] == key_id
+            for e in ledger.audit_events(_chain(rec), key_ids=[key_id])
         ]
-        doc: dict[str, object] = {"effect": record_json(rec), "events": events}
+        # Outcomes refused because their worker's claim was stale: what a worker paused
+        # past its lease did after another settled the entry (a possible duplicate).
+        late = [
+            {k: e[k] for k in ("seq", "at", "actor", "epoch", "status", "detail")}
+            for e in events
+            if e["event"] == "late_outcome"
+        ]
+        doc: dict[str, object] = {"effect": record_json(rec), "events": events, "late": late}
         if payload:
             doc["payload"] = json.loads(ledger.codec.encode(ledger.payload(key_id)))
     if as_json:
         click.echo(json.dumps(doc, default=str))
         return
-    Console().print_json(json.dumps(doc, default=str))
+    con = Console(soft_wrap=True)
+    con.print_json(json.dumps(doc, default=str))
+    for e in late:
+        con.print(f"[yellow]late outcome[/yellow] from {e['actor']}: {e['detail']}")
+
+
+def _chain(rec: EffectRecord) -> str:
+    return rec.run_id or f"tenant:{rec.tenant}"
 
 
 @effects.command("resolve")
@@ -111,7 +124,12 @@ def effects_show(key_id: str, url: str | None, payload: bool, as_json: bool) -> 
 @click.option("--happened/--not-happened", default=None, help="What the provider shows.")
 @click.option("--evidence", required=True, help="What you checked (recorded in the audit).")
 @click.option("--as", "--actor", "actor", default=None, metavar="ACTOR", help=AS_HELP)
-@click.option("--result", type=JSON, default=None, help="The provider's result (JSON).")
+@click.option(
+    "--result",
+    type=JSON,
+    default=UNKNOWN_RESULT,
+    help="The provider's result (JSON), replayed to the step. Left out: the result is unknown.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def effects_resolve(
     key_id: str,
@@ -124,16 +142,80 @@ def effects_resolve(
 ) -> None:
     """Resolve an in-doubt effect with evidence (recorded with your identity), and wake
     the run parked on it: its step runs again, and the effect replays (--happened) or is
-    sent (--not-happened)."""
+    sent (--not-happened).
+
+    --happened without --result records that the result is unknown: the step then gets
+    ResultUnknown (after asking the adapter's lookup for it, where there is one) until
+    `onceonly effects correct KEY --result JSON` records it."""
     if happened is None:
         raise click.UsageError("say --happened or --not-happened")
+    if not happened and result is not UNKNOWN_RESULT:
+        raise click.UsageError("--result goes with --happened (nothing happened, no result)")
     who = identity(actor)
     with operator(url, secrets=True) as op:
         rec = op.resolve(key_id, happened=happened, evidence=evidence, actor=who, result=result)
+    _decided(rec, who, "resolved", happened, result, as_json)
+
+
+@effects.command("correct")
+@click.argument("key_id")
+@click.option("--url", default=None, help=URL_HELP)
+@click.option(
+    "--happened/--not-happened",
+    default=True,
+    help="What the provider shows (default: it happened).",
+)
+@click.option("--evidence", required=True, help="What you checked (recorded in the audit).")
+@click.option("--as", "--actor", "actor", default=None, metavar="ACTOR", help=AS_HELP)
+@click.option(
+    "--result",
+    type=JSON,
+    default=UNKNOWN_RESULT,
+    help="The provider's result (JSON). Left out: the result is unknown.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def effects_correct(
+    key_id: str,
+    url: str | None,
+    happened: bool,
+    evidence: str,
+    actor: str | None,
+    result: object,
+    as_json: bool,
+) -> None:
+    """Correct an operator's resolution (recorded with your identity and evidence): give
+    the result it left out or a better one, or say it did (not) happen after all.
+
+    Only outcomes that `effects resolve` (or an earlier correction) decided can be
+    corrected. A run whose step failed on the unknown result continues with
+    `onceonly runs retry RUN`: the effect then replays the corrected result."""
+    if not happened and result is not UNKNOWN_RESULT:
+        raise click.UsageError("--result goes with --happened (nothing happened, no result)")
+    who = identity(actor)
+    with ledger_on(url, secrets=True) as ledger:
+        rec = ledger.correct(key_id, happened=happened, result=result, evidence=evidence, actor=who)
+    _decided(rec, who, "corrected", happened, result, as_json)
+
+
+def _decided(
+    rec: EffectRecord, who: str, verb: str, happened: bool, result: object, as_json: bool
+) -> None:
+    """Print an operator's decision, and what a step replaying the effect will see."""
+    if not happened:
+        sees = "no outcome: its next attempt sends the effect (with the same key)"
+    elif result is UNKNOWN_RESULT:
+        sees = (
+            "ResultUnknown, after asking the adapter's lookup for the result where there is "
+            f"one; record it with `onceonly effects correct {rec.key_id} --result JSON "
+            "--evidence TEXT`"
+        )
+    else:
+        sees = "the given result, replayed"
     if as_json:
-        emit_json(record_json(rec))
+        emit_json({**record_json(rec), "result_known": happened and result is not UNKNOWN_RESULT})
         return
-    click.echo(f"{rec.key_id}: {rec.status.value} (epoch {rec.epoch}), resolved by {who}")
+    click.echo(f"{rec.key_id}: {rec.status.value} (epoch {rec.epoch}), {verb} by {who}")
+    click.echo(f"the step will see: {sees}")
 
 
 @click.group("audit")

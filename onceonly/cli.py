@@ -1,7 +1,7 @@
 """The ``onceonly`` command line.
 
 Commands: ``demo``, ``migrate``, ``worker``, ``runs list|show|edit|cancel|retry|fork``,
-``approve``, ``reject``, ``signal``, ``effects list|show|resolve``,
+``approve``, ``reject``, ``signal``, ``effects list|show|resolve|correct``,
 ``audit verify|export`` and ``gc``. Typed errors print one line and exit with code 1;
 malformed arguments are usage errors (exit code 2).
 """
@@ -157,6 +157,16 @@ def load_flows(spec: str) -> list[Flow]:
 @click.option("--flows", "flows_spec", required=True, help="module:attribute of your Flow(s).")
 @click.option("--owner", default=None, help="Worker identity, stable across restarts.")
 @click.option("--lease-s", type=float, default=30.0, show_default=True, help="Run lease.")
+@click.option(
+    "--claim-lease",
+    "claim_lease_s",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long an effect's claim stays live without renewal (longer than your slowest "
+    "provider call: a claim that lapses mid-call is in doubt).",
+)
 @click.option("--poll-s", type=float, default=1.0, show_default=True, help="Idle poll.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Runs claimed per round.")
 @click.option("--until-idle", is_flag=True, help="Exit when no run is ready.")
@@ -165,6 +175,7 @@ def worker_cmd(
     flows_spec: str,
     owner: str | None,
     lease_s: float,
+    claim_lease_s: float,
     poll_s: float,
     batch: int,
     until_idle: bool,
@@ -180,7 +191,7 @@ def worker_cmd(
     flows = load_flows(flows_spec)
     worker_owner = owner or default_owner()
     with Store.open(db_url(url)) as store:
-        ledger = Ledger(store, keyring(required=True), owner=worker_owner)
+        ledger = Ledger(store, keyring(required=True), owner=worker_owner, lease_s=claim_lease_s)
         try:
             rt = Runtime(store, ledger, flows, owner=worker_owner, lease_s=lease_s)
             worker = Worker(rt, batch=batch, poll_s=poll_s)

@@ -29,7 +29,7 @@ from checkpoint import (
     Waits,
     notify_ready,
 )
-from ledger import EffectRecord, Ledger
+from ledger import UNKNOWN_RESULT, EffectRecord, Ledger
 from ledger import RetentionPolicy as EffectRetention
 
 from .errors import RunNotResumable
@@ -129,11 +129,18 @@ class Operator:
 
     # -- effects -----------------------------------------------------------------------
     def resolve(
-        self, key_id: str, *, happened: bool, evidence: str, actor: str, result: Any = None
+        self,
+        key_id: str,
+        *,
+        happened: bool,
+        evidence: str,
+        actor: str,
+        result: Any = UNKNOWN_RESULT,
     ) -> EffectRecord:
         """Record a person's decision on an in-doubt effect, and wake the run that waits
         for it (it re-runs its step: the effect replays, or is sent if it did not
-        happen)."""
+        happen). Without ``result``, a happened effect's result is unknown (see
+        :meth:`ledger.Ledger.resolve`)."""
         record = self.ledger.resolve(
             key_id, happened=happened, evidence=evidence, actor=actor, result=result
         )

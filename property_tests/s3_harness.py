@@ -200,6 +200,7 @@ class Controller:
                 happened=happened,
                 evidence=f"provider log: {'applied' if happened else 'never arrived'}",
                 actor="operator@example",
+                result=None,  # the flows do not use a delivery's result
             )
 
     def finish(self, timeout_s: float) -> bool:

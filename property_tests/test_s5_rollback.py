@@ -167,7 +167,9 @@ def drive(url: str, run_id: str, api: FencedAPI, rounds: int = 30) -> bool:
             run = rt.drive(run_id)
             for rec in ledger.effects(run_id=run_id, status=EffectStatus.NEEDS_HUMAN):
                 happened = api.applied_key(rec.provider_key)
-                ops.resolve(rec.key_id, happened=happened, evidence="provider log", actor="op")
+                ops.resolve(  # the flows do not use a delivery's result
+                    rec.key_id, happened=happened, evidence="provider log", actor="op", result=None
+                )
             run = store.get_run(run_id)
             if run.status is RunStatus.COMPLETED:
                 return True

@@ -26,12 +26,12 @@ from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
-from adapters import current_claim
+from adapters import RetryPolicy, current_claim
 from adapters.langgraph import ToolGuard, ToolPolicy
 from checkpoint import ConfigurationError
 from ledger import OutcomeClass
 
-__all__ = ["CALLS", "Tools", "build", "classify_notify", "tool_messages"]
+__all__ = ["CALLS", "NOTIFY", "Tools", "build", "classify_notify", "tool_messages"]
 
 CALLS = [
     {"name": "book_room", "args": {"room": "r-12", "night": "2025-05-01"}, "id": "call_book"},
@@ -45,6 +45,11 @@ def classify_notify(exc: BaseException) -> OutcomeClass:
     if isinstance(exc, ConnectionRefusedError):
         return OutcomeClass.NOT_SENT
     return OutcomeClass.AMBIGUOUS
+
+
+NOTIFY = ToolPolicy(classify=classify_notify, retry=RetryPolicy(max_attempts=1))
+"""The notify tool's policy: one attempt, so its failure reaches the graph (the default
+policy would send the not-sent notification again at once)."""
 
 
 def _provider_key() -> str | None:
@@ -137,7 +142,7 @@ def _worker(db_url: str, saver_path: str, url: str, thread: str, phase: str) -> 
     ledger = Ledger(store, keyring())
     conn = sqlite3.connect(saver_path, check_same_thread=False)
     tools = Tools(url, notify_failures=1 if phase == "first" else 0)
-    guard = ToolGuard(ledger, policies={"notify": ToolPolicy(classify=classify_notify)})
+    guard = ToolGuard(ledger, policies={"notify": NOTIFY})
     app = build(tools, SqliteSaver(conn), guard)
     config: Any = {"configurable": {"thread_id": thread}}
     try:

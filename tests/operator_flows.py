@@ -20,7 +20,7 @@ from adapters import current_claim, guard
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
 
-__all__ = ["FLOWS", "PUBLISH", "REPAIR", "deliveries"]
+__all__ = ["FLOWS", "LEASE", "PUBLISH", "REPAIR", "deliveries"]
 
 PUBLISH = Flow("publish")
 """draft → (approval ``send``) → send (a guarded delivery) → (signal ``ack``) → finish."""
@@ -28,6 +28,9 @@ PUBLISH = Flow("publish")
 REPAIR = Flow("repair")
 """check fails while the state channel ``broken`` is true; an operator edits it and
 retries the run."""
+
+LEASE = Flow("lease")
+"""report: keeps the worker's effect-claim lease (``Ledger.lease_s``) in the state."""
 
 
 def deliveries(outbox: str | Path) -> list[dict[str, Any]]:
@@ -95,4 +98,9 @@ def check(ctx: StepContext) -> Transition:
     return ctx.end({"fixed": True, "pid": os.getpid()})
 
 
-FLOWS = [PUBLISH, REPAIR]
+@LEASE.step(start=True)
+def report(ctx: StepContext) -> Transition:
+    return ctx.end({"claim_lease_s": ctx.ledger.lease_s})
+
+
+FLOWS = [PUBLISH, REPAIR, LEASE]

@@ -305,3 +305,32 @@ def test_the_async_client_settles_like_the_sync_one(
     assert book(restart()) == (hold, conf)
     applied_once(fake, ledger, hold, conf)
     assert len(fake.posts) == (3 if "refuse" in faults else 2)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("fault", ["refuse", "cut"])
+def test_the_default_policy_sends_again_what_the_lookup_proves_did_not_happen(
+    fake: BookingProvider,
+    ledger: Ledger,
+    clients: Callable[[str], httpx.Client],
+    restart: Callable[[], GuardedBooking],
+    fault: str,
+    mode: str,
+) -> None:
+    # No retry= given ([7] item 18): a 503 the lookup proves was not applied is sent
+    # again, a lost answer the lookup finds is settled; neither fails the booking.
+    fake.faults = [fault]
+
+    async def abook() -> tuple[Hold, Confirmation]:
+        async with httpx.AsyncClient(base_url=fake.url, timeout=TIMEOUT) as c:
+            booking = AsyncGuardedBooking(c, ledger)
+            with step("run-1", "book"):
+                hold = await booking.reserve("101", "2025-06-01")
+                return hold, await booking.confirm(hold["hold_id"])
+
+    if mode == "async":
+        hold, conf = asyncio.run(abook())
+    else:
+        hold, conf = book(GuardedBooking(clients(fake.url), ledger))
+    assert book(restart()) == (hold, conf)
+    applied_once(fake, ledger, hold, conf)

@@ -33,14 +33,14 @@ from checkpoint import (
     WaitRefused,
     subject_hash,
 )
-from ledger import EffectStatus
+from ledger import Claim, EffectIdentity, EffectInDoubt, EffectStatus, InvalidTransition, LeaseLost
 from onceonly._cli_common import format_duration, parse_duration
 from onceonly.cli import cli
 from onceonly.context import StepContext
 from onceonly.errors import RunNotResumable
 from onceonly.flow import Flow, Transition
 from onceonly.runtime import Runtime
-from tests.ledger_support import K1, Ledgers
+from tests.ledger_support import K1, Clock, Ledgers
 from tests.operator_flows import FLOWS, deliveries
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -428,6 +428,117 @@ def test_resolving_not_happened_wakes_the_run_and_sends_once(env: Env) -> None:
     assert len(env.sent()) == 1
 
 
+def test_a_resolution_whose_process_died_before_waking_the_run_is_run_again(env: Env) -> None:
+    rid, key = _park(env, "lose")
+    args = ("effects", "resolve", key, "--happened", "--evidence", "in the outbox", "--as", "ivy")
+    # the first `effects resolve` recorded the decision, then died before waking the run
+    env.runtime.ledger.resolve(key, happened=True, evidence="in the outbox", actor="ivy")
+    assert env.store.get_run(rid).status is RunStatus.WAITING
+    env.cli(*args)  # run again: no error, and the run wakes
+    assert env.store.get_run(rid).status is RunStatus.RUNNING
+    assert env.cli(*args[:4], "--evidence", "other", "--as", "ivy", ok=False).exit_code == 1
+
+
+def test_resolving_happened_without_a_result_tells_the_step_and_a_correction_repairs_it(
+    env: Env,
+) -> None:
+    # [7] item 19: it used to replay None, fail the step with a TypeError, and fail it
+    # again on every retry; the result could not be corrected.
+    rid, key = _park(env, "lose")
+    out = env.cli("effects", "resolve", key, "--happened", "--evidence", "in the outbox")
+    assert "the step will see: ResultUnknown" in out.stdout
+    assert f"onceonly effects correct {key} --result" in out.stdout
+    assert env.drive(rid) is RunStatus.FAILED  # a typed error, nothing sent again
+    shown = env.json("runs", "show", rid)
+    assert shown["error"]["type"] == "ResultUnknown"
+    assert f"onceonly effects correct {key}" in shown["error"]["message"]
+    doc = env.json(
+        "effects",
+        "correct",
+        key,
+        "--result",
+        '{"id": 1, "to": "ann@x"}',
+        "--evidence",
+        "delivery 1 in the outbox",
+        "--as",
+        "ivy",
+    )
+    assert (doc["status"], doc["result_known"]) == ("committed", True)
+    env.cli("runs", "retry", rid, "--as", "ivy")
+    assert env.drive(rid) is RunStatus.WAITING  # on the ack
+    assert env.store.load(rid).state["receipt"] == {"id": 1, "to": "ann@x"}
+    assert len(env.sent()) == 1
+    trail = env.json("effects", "show", key)["events"]
+    assert [(e["event"], e["actor"]) for e in trail[-2:]] == [
+        ("resolved", "ops"),
+        ("corrected", "ivy"),
+    ]
+    assert env.json("audit", "verify")["ok"] is True
+
+
+def test_only_an_operators_resolution_is_corrected(env: Env) -> None:
+    rid = env.publish("r1")
+    env.approve(rid)
+    env.drive(rid)
+    (effect,) = env.json("effects", "list")  # committed by the worker from the answer
+    res = env.cli(
+        "effects", "correct", effect["key_id"], "--result", "1", "--evidence", "e", ok=False
+    )
+    assert res.exit_code == 1
+    assert isinstance(res.exception, InvalidTransition)
+    res = env.cli(
+        "effects",
+        "correct",
+        effect["key_id"],
+        "--not-happened",
+        "--result",
+        "1",
+        "--evidence",
+        "e",
+        ok=False,
+    )
+    assert res.exit_code == 2
+    assert "--result goes with --happened" in res.output
+    assert env.json("effects", "show", effect["key_id"])["events"][-1]["event"] == "committed"
+
+
+def test_effects_show_lists_a_stale_workers_late_outcome(
+    env: Env, ledgers: Ledgers, clock: Clock
+) -> None:
+    # [7] item 20: worker "paused" claims, sleeps past its lease (SIGSTOP), another worker
+    # settles the entry, then the paused one reports its outcome: refused, and shown.
+    ident = EffectIdentity("", "r9", "s#0", 0, "deliver@1", 0)
+    paused = ledgers.on(env.store, owner="paused", clock=clock)
+    stale = paused.claim(ident, {"to": "ann@x"}, provider_class="B")
+    assert isinstance(stale, Claim)
+    clock.advance(60)
+    other = ledgers.on(env.store, owner="other", clock=clock)
+    with pytest.raises(EffectInDoubt):
+        other.claim(ident, {"to": "ann@x"}, provider_class="B")
+    other.reconcile(stale.key_id, "not_happened")
+    fresh = other.claim(ident, {"to": "ann@x"}, provider_class="B")
+    assert isinstance(fresh, Claim)
+    other.commit(fresh, {"id": 2})
+    with pytest.raises(LeaseLost):
+        paused.commit(stale, {"id": 1})
+    (late,) = env.json("effects", "show", stale.key_id)["late"]
+    assert (late["actor"], late["epoch"], late["status"]) == ("paused", 1, "committed")
+    assert "refused committed from stale epoch 1" in late["detail"]
+    out = env.cli("effects", "show", stale.key_id).stdout
+    assert "late outcome from paused" in out
+    assert env.json("audit", "verify")["ok"] is True
+
+
+def test_the_worker_takes_its_claim_lease_from_the_command_line(env: Env) -> None:
+    rid = env.runtime.start("lease", {}, run_id="lease-1")
+    worker = ("worker", "--flows", "tests.operator_flows:FLOWS", "--until-idle", "--poll-s", "0.1")
+    env.cli(*worker, "--claim-lease", "45")
+    assert env.store.load(rid).state["result"] == {"claim_lease_s": 45.0}
+    res = env.cli(*worker, "--claim-lease", "0", ok=False)
+    assert res.exit_code == 2
+    assert "--claim-lease" in res.output
+
+
 # -- gc ---------------------------------------------------------------------------------------
 
 
@@ -722,6 +833,11 @@ def test_every_read_command_has_json(env: Env, tmp_path: Path) -> None:
         pytest.param(["runs", "list", "--status", "asleep"], "'asleep' is not one of", id="status"),
         pytest.param(
             ["effects", "resolve", "k", "--evidence", "e"], "--happened or", id="resolve-which"
+        ),
+        pytest.param(
+            ["effects", "resolve", "k", "--not-happened", "--evidence", "e", "--result", "1"],
+            "--result goes with --happened",
+            id="resolve-result",
         ),
     ],
 )

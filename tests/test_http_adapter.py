@@ -365,10 +365,11 @@ def window_closed(
     client: httpx.Client,
 ) -> None:
     fake.faults = ["drop"]
-    http = GuardedHTTP(client, ledger)  # one attempt: the re-send claim is left behind
-    with pytest.raises(httpx.ReadTimeout):
+    http = GuardedHTTP(client, ledger, retry=RetryPolicy(max_attempts=1))
+    with pytest.raises(EffectInDoubt) as doubt:  # no attempt left to re-send it with
         pay(http, fake, "A")
-    clock.advance(WINDOW_S + 60)  # the window (and the re-send's lease) has passed
+    assert isinstance(doubt.value.__cause__, httpx.ReadTimeout)
+    clock.advance(WINDOW_S + 60)  # the window has passed
     with pytest.raises(EffectInDoubt) as info:
         pay(restart(), fake, "A")
     assert info.value.status == "needs_human"
@@ -419,3 +420,108 @@ def test_async_client_settles_like_the_sync_one(
         assert only(ledger).status is EffectStatus.COMMITTED
     finally:
         provider.stop()
+
+
+# -- the default policy and the last attempt ([7] items 12, 18) ------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("fault", ["error", "refuse", "drop", "cut"])
+def test_the_default_policy_settles_one_5xx_or_lost_answer_by_the_class(
+    cfake: FakeProvider,
+    pclass: str,
+    fault: str,
+    mode: str,
+    ledger: Ledger,
+    restart: Callable[[], GuardedHTTP],
+) -> None:
+    # No retry= given: one 500 (or a lost answer) must not fail a class A or B run, since
+    # the ledger has just proven a re-send safe. Class C never re-sends.
+    cfake.faults = [fault]
+
+    async def apay() -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            with step("run-1", "pay"):
+                return await AsyncGuardedHTTP(c, ledger).post(
+                    cfake.url + "/payments",
+                    effect="pay@1",
+                    json={"amount": 5},
+                    **options(cfake, pclass),
+                )
+
+    def once() -> dict[str, Any]:
+        if mode == "async":
+            return asyncio.run(apay())
+        with httpx.Client(timeout=TIMEOUT) as c:
+            return pay(GuardedHTTP(c, ledger), cfake, pclass)
+
+    if pclass == "C":
+        with pytest.raises(EffectInDoubt) as info:
+            once()
+        assert info.value.status == "needs_human"
+        assert len(cfake.writes) == 1
+        return
+    result = once()
+    assert pay(restart(), cfake, pclass) == result
+    assert len(cfake.applied) == 1
+    [(_, applied)] = cfake.applied
+    assert result["json"] == applied
+    assert only(ledger).status is EffectStatus.COMMITTED
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_class_a_with_no_attempt_left_is_in_doubt_and_the_next_call_resends_at_once(
+    fake: FakeProvider, mode: str, ledger: Ledger, restart: Callable[[], GuardedHTTP]
+) -> None:
+    # It used to raise the raw ReadTimeout and leave a re-send claim nobody used, so the
+    # next attempt (a `runs retry`) waited out its lease.
+    fake.faults = ["drop"]
+    one = RetryPolicy(max_attempts=1)
+
+    async def apay() -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            with step("run-1", "pay"):
+                return await AsyncGuardedHTTP(c, ledger, retry=one).post(
+                    fake.url + "/payments", effect="pay@1", json={"amount": 5}, **options(fake, "A")
+                )
+
+    def once() -> dict[str, Any]:
+        if mode == "async":
+            return asyncio.run(apay())
+        with httpx.Client(timeout=TIMEOUT) as c:
+            return pay(GuardedHTTP(c, ledger, retry=one), fake, "A")
+
+    with pytest.raises(EffectInDoubt) as doubt:
+        once()
+    rec = only(ledger)
+    assert (doubt.value.key_id, doubt.value.status) == (rec.key_id, "unknown")
+    assert isinstance(doubt.value.__cause__, httpx.ReadTimeout)
+    assert "re-sends it with the same key" in str(doubt.value)
+    assert (rec.status, rec.lease_owner, rec.epoch) == (EffectStatus.UNKNOWN, None, 1)
+    result = pay(restart(), fake, "A")  # never waits for a lease: none was left
+    assert len(fake.writes) == 2  # the re-send, with the same key
+    assert len({w.idempotency_key for w in fake.writes}) == 1
+    [(_, applied)] = fake.applied
+    assert result == {"status": 201, "json": applied}
+
+
+# -- explicit keys belong to the step's tenant ([7] item 8) ---------------------------------
+
+
+def test_the_same_explicit_key_in_two_tenants_steps_is_two_payments(
+    fake: FakeProvider, ledger: Ledger, client: httpx.Client
+) -> None:
+    http = GuardedHTTP(client, ledger)
+    paid = {}
+    for run_id, tenant in (("r1", "acme"), ("r2", "globex"), ("r3", "acme")):
+        with step(run_id, "pay", tenant=tenant):
+            paid[run_id] = http.post(
+                fake.url + "/payments",
+                effect="pay@1",
+                json={"amount": 5},
+                key="invoice-7",
+                **options(fake, "A"),
+            )
+    assert len(fake.applied) == 2
+    assert paid["r1"] != paid["r2"]
+    assert paid["r3"] == paid["r1"]

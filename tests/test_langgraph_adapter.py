@@ -36,12 +36,11 @@ from ledger import (
     OutcomeClass,
 )
 from tests.http_fake import FakeProvider
-from tests.langgraph_graph import Tools, build, classify_notify, tool_messages
+from tests.langgraph_graph import NOTIFY, Tools, build, tool_messages
 from tests.ledger_support import Ledgers
 
 ROOT = Path(__file__).resolve().parent.parent
 START: Any = {"messages": [("user", "Book room r-12 and tell the guest")]}
-NOTIFY = ToolPolicy(classify=classify_notify)
 
 
 def config(thread: str) -> Any:

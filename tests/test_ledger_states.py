@@ -8,6 +8,7 @@ on the same database (no shared caches); time moves through the ledgers' ``clock
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 from collections import Counter
@@ -32,6 +33,7 @@ from ledger import (
     OutcomeClass,
     ProviderClass,
     Replay,
+    ResultUnknown,
     UnknownEffect,
 )
 from tests.ledger_support import Clock, Ledgers, audit_rows, effect_row, ident, keyring
@@ -201,7 +203,11 @@ def test_a_stale_epoch_changes_nothing(ledger: Ledger, ledgers: Ledgers, store: 
         assert (exc.value.key_id, exc.value.epoch) == (c1.key_id, 1), name
         assert (exc.value.current_epoch, exc.value.status) == (2, "claimed"), name
         assert effect_row(store.engine, c1.key_id) == row_before, name
-        assert audit_rows(store.engine) == audit_before, name
+    # Each refused outcome left a trace (a renewal is no outcome), the row did not move.
+    late = audit_rows(store.engine)[len(audit_before) :]
+    assert audit_rows(store.engine)[: len(audit_before)] == audit_before
+    assert [e[-9:-5] for e in late] == [("late_outcome", 1, "claimed", "worker-a")] * 4
+    assert ledger.verify().ok
 
     # the current holder is unaffected, and the stale worker's ledger still works
     other.commit(c2, "on time")
@@ -224,7 +230,9 @@ def test_a_second_outcome_for_the_same_claim_is_refused(ledger: Ledger, store: S
             call()
         assert exc.value.status == "committed"
     assert effect_row(store.engine, c.key_id) == row
-    assert audit_rows(store.engine) == trail
+    assert audit_rows(store.engine)[: len(trail)] == trail
+    assert [e[3] for e in audit_rows(store.engine)[len(trail) :]] == ["late_outcome"] * 4
+    assert ledger.verify().ok
     assert replayed(ledger.claim(ident(), {"amount": 5})).result == "first"
 
 
@@ -419,6 +427,7 @@ def test_reconcile_window_open_resends_with_the_same_provider_key(
         ("claimed", "claimed", 1),
         ("unknown", "unknown", 1),
         ("resend", "claimed", 2),
+        ("late_outcome", "claimed", 1),  # the first attempt's commit, refused
         ("committed", "committed", 2),
     ]
 
@@ -760,3 +769,320 @@ def test_a_restarted_worker_finds_its_dead_predecessors_claim_in_doubt_at_once(
     with pytest.raises(EffectInFlight):
         other.claim(ident1, {"b": 2})
     assert c1.epoch == 1
+
+
+# -- a stale worker's late outcome leaves a trace ([7] item 20) ---------------------------
+
+
+def test_a_paused_workers_late_outcome_is_refused_recorded_and_logged(
+    ledger: Ledger, ledgers: Ledgers, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # worker-a claims and is paused (SIGSTOP) past its lease; worker-b finds the claim in
+    # doubt, a probe says it did not happen, and worker-b sends and commits. Then worker-a
+    # wakes up, delivers, and reports: refused, but recorded, and the worker's log says so.
+    stale = claimed(ledger.claim(ident(), {"amount": 5}, provider_class="B"))
+    clock.advance(31.0)
+    other = ledgers.fresh(owner="worker-b")
+    with pytest.raises(EffectInDoubt):
+        other.claim(ident(), {"amount": 5}, provider_class="B")
+    other.reconcile(stale.key_id, Evidence.NOT_HAPPENED, actor="probe")
+    fresh = claimed(other.claim(ident(), {"amount": 5}, provider_class="B"))
+    other.commit(fresh, "sent by worker-b")
+    reports: list[Callable[[], EffectRecord]] = [
+        lambda: ledger.commit(stale, "sent by worker-a"),
+        lambda: ledger.mark_unknown(stale, "ReadTimeout"),
+    ]
+    for report in reports:
+        with caplog.at_level("WARNING", logger="onceonly"), pytest.raises(LeaseLost) as lost:
+            report()
+        assert (lost.value.epoch, lost.value.current_epoch, lost.value.status) == (
+            1,
+            2,
+            "committed",
+        )
+    late = [e for e in events(other) if e[0] == "late_outcome"]
+    assert late == [
+        (
+            "late_outcome",
+            "committed",
+            1,
+            "worker-a",
+            "refused committed from stale epoch 1; the entry is committed at epoch 2",
+        ),
+        (
+            "late_outcome",
+            "committed",
+            1,
+            "worker-a",
+            "refused unknown (ReadTimeout) from stale epoch 1; the entry is committed at epoch 2",
+        ),
+    ]
+    warnings = [r for r in caplog.records if r.name.startswith("onceonly.")]
+    assert len(warnings) == 2
+    assert all("late outcome refused" in r.getMessage() for r in warnings)
+    # the row is as worker-b left it, and it still checks against its audit trail
+    assert ledger.verify().ok
+    for led in (ledger, other, ledgers.fresh()):
+        assert replayed(led.claim(ident(), {"amount": 5})).result == "sent by worker-b"
+
+
+# -- outcome transactions are idempotent ([7]) -------------------------------------------
+
+
+@pytest.mark.parametrize("outcome", ["commit", "fail", "mark_unknown", "release"])
+def test_an_outcome_transaction_run_again_after_a_lost_commit_succeeds(
+    ledger: Ledger, store: Store, monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    c = claimed(ledger.claim(ident(), {"amount": 5}))
+    transact = store.transact
+
+    def committed_then_retried(fn: Callable[[Any], Any], *args: Any, **kwargs: Any) -> Any:
+        # The transaction commits, the answer is lost (the connection dropped at COMMIT),
+        # and the store runs the same transaction again.
+        transact(fn, *args, **kwargs)
+        return transact(fn, *args, **kwargs)
+
+    monkeypatch.setattr(store, "transact", committed_then_retried)
+    record: dict[str, Callable[[], EffectRecord]] = {
+        "commit": lambda: ledger.commit(c, "ok"),
+        "fail": lambda: ledger.fail(c, "E", "refused"),
+        "mark_unknown": lambda: ledger.mark_unknown(c, "timeout"),
+        "release": lambda: ledger.release(c, "refused"),
+    }
+    rec = record[outcome]()  # not LeaseLost: it finds its own outcome
+    monkeypatch.undo()
+    expected = {
+        "commit": EffectStatus.COMMITTED,
+        "fail": EffectStatus.FAILED,
+        "mark_unknown": EffectStatus.UNKNOWN,
+        "release": EffectStatus.NOT_HAPPENED,
+    }
+    assert (rec.status, rec.epoch) == (expected[outcome], 1)
+    event = {"commit": "committed", "fail": "failed", "mark_unknown": "unknown"}
+    assert [e[0] for e in events(ledger)] == ["claimed", event.get(outcome, "not_sent")]
+    # a second outcome of the same claim is still refused (it is not the same transaction)
+    with pytest.raises(LeaseLost):
+        ledger.commit(c, "ok")
+    assert ledger.verify().ok
+
+
+# -- operator resolutions without a result, and their correction ([7] item 19) -----------
+
+
+def test_resolve_happened_without_a_result_is_told_apart_from_a_result_of_none(
+    ledger: Ledger, ledgers: Ledgers
+) -> None:
+    unknown = in_doubt(ledger)
+    ledger.resolve(unknown.key_id, happened=True, evidence="in the portal", actor="alice")
+    none = claimed(ledger.claim(ident(1), {"amount": 6}))
+    ledger.mark_unknown(none)
+    ledger.resolve(none.key_id, happened=True, evidence="empty answer", actor="alice", result=None)
+    for led in (ledger, ledgers.fresh()):
+        for _ in range(2):  # not cached as a result either
+            with pytest.raises(ResultUnknown) as info:
+                led.claim(ident(), {"amount": 5})
+            assert info.value.key_id == unknown.key_id
+            with pytest.raises(ResultUnknown):
+                led.replay(unknown.key_id)
+            with pytest.raises(ResultUnknown):
+                led.perform(ident(), {"amount": 5}, lambda c: pytest.fail("acted"))
+        assert replayed(led.claim(ident(1), {"amount": 6})).result is None
+    assert ledger.get(unknown.key_id).status is EffectStatus.COMMITTED
+    assert ledger.verify().ok
+
+
+def test_correct_records_the_left_out_result_for_every_process(
+    ledger: Ledger, ledgers: Ledgers
+) -> None:
+    c = in_doubt(ledger)
+    ledger.resolve(c.key_id, happened=True, evidence="in the portal", actor="alice")
+    worker = ledgers.fresh(owner="worker-b")  # a long-lived worker that saw it first
+    with pytest.raises(ResultUnknown):
+        worker.claim(ident(), {"amount": 5})
+    rec = ledger.correct(
+        c.key_id, result={"booking": 4711}, evidence="booking 4711 in the portal", actor="bob"
+    )
+    assert (rec.status, rec.epoch) == (EffectStatus.COMMITTED, 1)
+    for led in (worker, ledger, ledgers.fresh()):
+        assert replayed(led.claim(ident(), {"amount": 5})).result == {"booking": 4711}
+    # a wrong result is corrected again; the corrected outcome is what everyone replays
+    ledger.correct(c.key_id, result={"booking": 4712}, evidence="it was 4712", actor="carol")
+    for led in (worker, ledger, ledgers.fresh()):
+        assert replayed(led.claim(ident(), {"amount": 5})).result == {"booking": 4712}
+    assert events(ledger)[-3:] == [
+        ("resolved", "committed", 1, "alice", "in the portal"),
+        ("corrected", "committed", 1, "bob", "booking 4711 in the portal"),
+        ("corrected", "committed", 1, "carol", "it was 4712"),
+    ]
+    assert ledger.verify().ok
+
+
+def test_correct_to_not_happened_lets_the_next_claim_send_and_that_outcome_stands(
+    ledger: Ledger, ledgers: Ledgers
+) -> None:
+    c = in_doubt(ledger)
+    ledger.resolve(c.key_id, happened=True, evidence="looked like it", actor="alice", result=1)
+    worker = ledgers.fresh(owner="worker-b")
+    assert replayed(worker.claim(ident(), {"amount": 5})).result == 1
+    ledger.correct(c.key_id, happened=False, evidence="it was another booking", actor="bob")
+    again = claimed(worker.claim(ident(), {"amount": 5}))  # the worker does not replay 1
+    assert (again.epoch, again.provider_key) == (2, c.provider_key)
+    worker.commit(again, 2)
+    with pytest.raises(InvalidTransition):  # the provider's answer is not an operator's
+        ledger.correct(c.key_id, result=3, evidence="e", actor="bob")
+    # and a "did not happen" that was wrong is corrected before anything was re-sent
+    d = claimed(ledger.claim(ident(1), {"amount": 6}))
+    ledger.mark_unknown(d)
+    ledger.resolve(d.key_id, happened=False, evidence="not in the portal", actor="alice")
+    ledger.correct(d.key_id, result=9, evidence="it was there after all", actor="bob")
+    assert replayed(worker.claim(ident(1), {"amount": 6})).result == 9
+    assert ledger.verify().ok
+
+
+def test_correct_refuses_outcomes_no_operator_decided_and_needs_evidence(
+    ledger: Ledger, store: Store
+) -> None:
+    done = claimed(ledger.claim(ident(0), 0))
+    ledger.commit(done, "ok")
+    failed = claimed(ledger.claim(ident(1), 1))
+    ledger.fail(failed, "E", "no")
+    released = claimed(ledger.claim(ident(2), 2))
+    ledger.release(released)
+    probed = claimed(ledger.claim(ident(3), 3))
+    ledger.mark_unknown(probed)
+    ledger.reconcile(probed.key_id, Evidence.HAPPENED, result="found")
+    doubt = claimed(ledger.claim(ident(4), 4))
+    ledger.mark_unknown(doubt)
+    live = claimed(ledger.claim(ident(5), 5))
+    trail = audit_rows(store.engine)
+    for c in (done, failed, released, probed, doubt, live):
+        for happened in (True, False):
+            with pytest.raises(InvalidTransition):
+                ledger.correct(c.key_id, happened=happened, evidence="e", actor="bob")
+    resolved = doubt
+    ledger.resolve(resolved.key_id, happened=True, evidence="seen", actor="alice")
+    trail = audit_rows(store.engine)
+    for evidence, actor in (("", "bob"), ("seen", " ")):
+        with pytest.raises(ConfigurationError):
+            ledger.correct(resolved.key_id, result=1, evidence=evidence, actor=actor)
+    with pytest.raises(ConfigurationError):  # a result for what did not happen
+        ledger.correct(resolved.key_id, happened=False, result=1, evidence="e", actor="bob")
+    assert audit_rows(store.engine) == trail
+    with pytest.raises(UnknownEffect):
+        ledger.correct("ab" * 32, result=1, evidence="e", actor="bob")
+    assert live.epoch == 1
+
+
+# -- interrupts in perform / aperform ([7] item 16) --------------------------------------
+
+
+@pytest.mark.parametrize(
+    "interrupt", [KeyboardInterrupt(), SystemExit(2), GeneratorExit()], ids=type
+)
+def test_perform_lets_an_interrupt_through_and_leaves_the_entry_in_doubt(
+    ledger: Ledger, interrupt: BaseException
+) -> None:
+    p = Provider()
+
+    def act(claim: Claim) -> str:
+        p.send(claim)
+        raise interrupt
+
+    not_sent = lambda _exc: OutcomeClass.NOT_SENT  # noqa: E731  (never asked about interrupts)
+    with pytest.raises(type(interrupt)) as info:
+        ledger.perform(ident(), {"to": "a"}, act, classify=not_sent)
+    assert info.value is interrupt
+    rec = ledger.get(ledger.key_id(ident()))
+    assert (rec.status, rec.lease_owner) == (EffectStatus.UNKNOWN, None)
+    assert events(ledger)[-1][-1] == f"interrupted: {type(interrupt).__name__}"
+
+
+def test_aperform_cancelled_while_acting_is_in_doubt(ledgers: Ledgers) -> None:
+    led = ledgers.fresh()
+    p = Provider()
+    sent = asyncio.Event()
+
+    async def act(claim: Claim) -> str:
+        p.send(claim)
+        sent.set()
+        await asyncio.Event().wait()
+        return "never"
+
+    async def main() -> None:
+        task = asyncio.create_task(led.aperform(ident(), {"to": "a"}, act))
+        await sent.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    rec = led.get(led.key_id(ident()))
+    assert (rec.status, rec.lease_owner) == (EffectStatus.UNKNOWN, None)
+    assert sum(p.calls.values()) == 1
+
+
+def test_aperform_cancelled_while_claiming_gives_the_claim_back(ledgers: Ledgers) -> None:
+    led = ledgers.fresh()
+    p = Provider()
+
+    async def act(claim: Claim) -> str:
+        return p.send(claim)
+
+    async def main() -> None:
+        task = asyncio.create_task(led.aperform(ident(), {"to": "a"}, act))
+        await asyncio.sleep(0)  # it waits for the claim's transaction now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    led.close()  # the claim's thread, and the give-back after it, are done
+    assert p.calls == Counter()
+    assert ledgers.fresh().get(led.key_id(ident())).status is EffectStatus.NOT_HAPPENED
+    assert ledgers.fresh().perform(ident(), {"to": "a"}, p.send) == "sent:2"
+
+
+def test_aperform_runs_ledger_calls_in_the_callers_context(ledgers: Ledgers) -> None:
+    led = ledgers.fresh()
+    caller: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="-")
+    seen: list[str] = []
+
+    def classify(exc: BaseException) -> OutcomeClass:
+        seen.append(caller.get())  # runs on the ledger's thread, recording the failure
+        return OutcomeClass.NOT_SENT
+
+    async def act(claim: Claim) -> str:
+        raise ConnectionRefusedError("refused")
+
+    async def main() -> None:
+        caller.set("fenced")
+        with pytest.raises(ConnectionRefusedError):
+            await led.aperform(ident(), {"to": "a"}, act, classify=classify)
+
+    asyncio.run(main())
+    assert seen == ["fenced"]
+
+
+def test_the_same_resolution_run_again_changes_nothing_and_succeeds(
+    ledger: Ledger, store: Store
+) -> None:
+    # An operator's process that died after the resolution committed, before it woke the
+    # run, is run again: the very same decision is no error, any other one is.
+    c = in_doubt(ledger)
+    first = ledger.resolve(c.key_id, happened=True, evidence="in the portal", actor="alice")
+    trail = audit_rows(store.engine)
+    again = ledger.resolve(c.key_id, happened=True, evidence="in the portal", actor="alice")
+    assert again == first
+    assert audit_rows(store.engine) == trail
+    others: list[Callable[[], EffectRecord]] = [
+        lambda: ledger.resolve(c.key_id, happened=False, evidence="in the portal", actor="alice"),
+        lambda: ledger.resolve(c.key_id, happened=True, evidence="elsewhere", actor="alice"),
+        lambda: ledger.resolve(c.key_id, happened=True, evidence="in the portal", actor="bob"),
+        lambda: ledger.resolve(
+            c.key_id, happened=True, evidence="in the portal", actor="alice", result=1
+        ),
+    ]
+    for other in others:
+        with pytest.raises(InvalidTransition):
+            other()
+    assert audit_rows(store.engine) == trail

@@ -233,6 +233,23 @@ def test_a_timeout_after_applying_is_settled_by_the_class(
     assert outcomes(spans) == [(name, first), (name, "replayed")]
 
 
+@pytest.mark.parametrize(("tool", "fault"), [("pay_a", "hang"), ("book_b", "stall")])
+def test_the_default_policy_makes_the_resend_the_evidence_allows(
+    provider: Provider, ledger: Ledger, tool: str, fault: str
+) -> None:
+    # No retry policy anywhere ([7] item 18): class A re-sends inside its window, class B
+    # re-sends what its lookup proved did not happen; one timeout fails neither.
+    provider.faults[tool] = [fault]
+    args: dict[str, Any] = {"amount": 5} if tool == "pay_a" else {"room": "r1"}
+    result = run(
+        call, build_server(provider), ledger, tool, args, retry=None, timeout_s=HANG_TIMEOUT_S
+    )
+    [effect] = provider.effects(tool)
+    assert result.structured_content == effect["result"]
+    assert len(provider.deliveries(tool)) == 2
+    assert only(ledger).status is EffectStatus.COMMITTED
+
+
 def test_class_b_stalled_without_applying_is_probed_and_sent_again(
     provider: Provider, ledger: Ledger
 ) -> None:
@@ -286,9 +303,12 @@ def test_class_a_after_its_window_needs_a_human_not_a_resend(
 ) -> None:
     provider.faults["pay_a"] = ["hang"]
     server = build_server(provider)
-    with pytest.raises(MCPError) as info:  # one attempt: the re-send claim is left behind
-        run(call, server, ledger, "pay_a", {"amount": 5}, retry=None, timeout_s=HANG_TIMEOUT_S)
-    assert info.value.code == REQUEST_TIMEOUT
+    one = RetryPolicy(max_attempts=1)
+    with pytest.raises(EffectInDoubt) as info:  # one attempt: nothing left to re-send with
+        run(call, server, ledger, "pay_a", {"amount": 5}, retry=one, timeout_s=HANG_TIMEOUT_S)
+    assert isinstance(info.value.__cause__, MCPError)
+    assert info.value.__cause__.code == REQUEST_TIMEOUT
+    assert (info.value.status, only(ledger).lease_owner) == ("unknown", None)  # no claim left
     clock.advance(WINDOW_S + 60)
     with pytest.raises(EffectInDoubt) as doubt:
         run(call, server, ledgers.fresh(owner="w2"), "pay_a", {"amount": 5})
