@@ -18,6 +18,7 @@ from .errors import (
     PayloadErased,
     ResultUnknown,
     RunFenced,
+    StoreRolledBack,
     SubjectErased,
     UnknownEffect,
 )
@@ -65,6 +66,7 @@ __all__ = [  # noqa: RUF022
     "RetentionPolicy",
     "RunFence",
     "RunFenced",
+    "StoreRolledBack",
     "Secret",
     "SubjectErased",
     "UNKNOWN_RESULT",

@@ -6,12 +6,14 @@ on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from checkpoint import Codec, Store
+from checkpoint import Codec, RowKeys, Store
+from checkpoint.errors import CorruptRecord
 
 from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
 from .audit import AuditReport, export_witness, verify_store
@@ -20,6 +22,18 @@ from .errors import PayloadErased, UnknownEffect
 from .records import EffectRecord, EffectStatus, RetentionPolicy
 
 __all__: list[str] = []
+
+
+def _flagged(record: EffectRecord, keys: RowKeys, row: Row) -> EffectRecord:
+    """The record, flagged ``edited`` / ``unsealed`` when its row fails its seal."""
+    from ._integrity import effect_parts  # noqa: PLC0415  (_integrity imports audit)
+
+    seal = row.get("seal")
+    if seal is None:
+        return dataclasses.replace(record, integrity="unsealed")
+    if not keys.valid("effects", effect_parts(row), seal):
+        return dataclasses.replace(record, integrity="edited")
+    return record
 
 
 class QueryMixin:
@@ -34,14 +48,31 @@ class QueryMixin:
     _cipher: Callable[[str], Any]
     _write: Callable[..., Any]
     _append: Callable[[Any, Row, str, str, str], None]
+    _keys: RowKeys
+    _check_row: Callable[[Any, Row], None]
 
     def get(self, key_id: str) -> EffectRecord:
-        """The entry with this key id.
+        """The entry with this key id, flagged if it does not verify (its seal, and its
+        last audit event: see :attr:`EffectRecord.integrity`).
 
         Raises:
             UnknownEffect: No such entry.
         """
-        return effect_record(self._get_row(key_id))
+        row = self._get_row(key_id)
+        record = _flagged(effect_record(row), self._keys, row)
+        if record.integrity != "ok":
+            return record
+
+        def audited(cur: Any) -> bool:
+            try:
+                self._check_row(cur, row)
+            except CorruptRecord:
+                return False
+            return True
+
+        if not self.store.read(audited):
+            return dataclasses.replace(record, integrity="diverged")
+        return record
 
     def _get_row(self, key_id: str) -> Row:
         def q(cur: Any) -> Row | None:
@@ -88,9 +119,10 @@ class QueryMixin:
         limit: int | None = None,
         step_id: str | None = None,
     ) -> list[EffectRecord]:
-        """Entries matching every given filter, newest first."""
+        """Entries matching every given filter, newest first, each flagged if it fails
+        its seal (:attr:`EffectRecord.integrity`)."""
         rows = self._query(run_id, status, effect, since, until, limit, step_id)
-        return [effect_record(r) for r in rows]
+        return [_flagged(effect_record(r), self._keys, r) for r in rows]
 
     def _query(
         self,
@@ -255,9 +287,7 @@ class QueryMixin:
                 )
                 if cur.rowcount != 1:
                     return 0
-                self._append(
-                    cur, {**row, "updated_at": self._clock()}, "retired", "retention", ""
-                )
+                self._append(cur, {**row, "updated_at": self._clock()}, "retired", "retention", "")
                 return 1
 
             removed += self._write(txn, outcome=False)

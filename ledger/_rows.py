@@ -18,7 +18,7 @@ TERMINAL = (EffectStatus.COMMITTED.value, EffectStatus.FAILED.value)
 def effect_row(values: Sequence[Any]) -> Row:
     """A row tuple (columns in schema order) as a dict, binary columns as bytes."""
     row = dict(zip(COLUMNS, values, strict=True))
-    for c in ("args_ct", "result_ct", "error_ct"):
+    for c in ("args_ct", "result_ct", "error_ct", "seal"):
         if row[c] is not None:
             row[c] = bytes(row[c])
     return row

@@ -123,20 +123,31 @@ class AuditReport:
 
 
 def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
-    """Verify every audit chain, effect row, blob and checkpoint row of a store."""
+    """Verify every audit chain (each event's link, hash and keyed MAC; the sealed head),
+    effect row (its keyed seal and its last audited state), blob, checkpoint, run and
+    wait of a store. Without integrity keys on the store, only what unkeyed digests can
+    show is checked."""
+    from ._integrity import (  # noqa: PLC0415  (_integrity imports this module)
+        EVENT_COLS,
+        effect_parts,
+        head_parts,
+        verify_chain,
+    )
+
     report = AuditReport()
     retired: set[str] = set()
+    keys = store.integrity
 
     def scan(cur: Any) -> None:
-        cur.execute(
-            "SELECT a.chain, a.seq, a.hash FROM oo_audit a WHERE a.seq = "
-            "(SELECT MAX(b.seq) FROM oo_audit b WHERE b.chain = a.chain)"
-        )
-        heads = {c: (int(s), bytes(h)) for c, s, h in cur.fetchall()}
-        cur.execute(
-            "SELECT chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
-            "prev_hash, hash FROM oo_audit ORDER BY chain, seq"
-        )
+        cur.execute("SELECT chain, seq, hash, seal FROM oo_chain_heads")
+        heads: dict[str, tuple[int, bytes]] = {}
+        for c, s_, h, seal in cur.fetchall():
+            heads[c] = (int(s_), bytes(h))
+            if keys is not None and not keys.valid(
+                "heads", head_parts(c, int(s_), bytes(h)), None if seal is None else bytes(seal)
+            ):
+                report.problems.append(f"chain {c!r}: its head fails its seal (edited or forged)")
+        cur.execute(f"SELECT {EVENT_COLS}, mac FROM oo_audit ORDER BY chain, seq")
         events = cur.fetchall()
         cur.execute(_SELECT_EFFECTS)
         rows = [_effect_row(r) for r in cur.fetchall()]
@@ -147,22 +158,13 @@ def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
         report.chains = len(set(heads) | set(by_chain))
         for chain in sorted(set(heads) | set(by_chain)):
             evs = by_chain.get(chain, [])
+            report.problems.extend(verify_chain(keys, chain, evs, heads.get(chain)))
             prev = GENESIS
-            expect_seq = 1
             for ev in evs:
                 report.events += 1
-                (c, seq, key_id, event, epoch, status, actor, detail, digest, at, prev_h, h) = ev
-                if int(seq) != expect_seq:
-                    report.problems.append(
-                        f"chain {c!r}: event {expect_seq} missing or out of order (found {seq})"
-                    )
-                    expect_seq = int(seq)
-                if bytes(prev_h) != prev:
-                    report.problems.append(
-                        f"chain {c!r} event {seq}: does not link to the event before it"
-                    )
+                (c, seq, key_id, event, epoch, status, actor, detail, digest, at, _p, h) = ev[:12]
                 calc = event_hash(
-                    prev,
+                    bytes(ev[10]),
                     c,
                     int(seq),
                     key_id,
@@ -177,16 +179,17 @@ def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
                 if calc != bytes(h):
                     report.problems.append(f"chain {c!r} event {seq}: edited (hash mismatch)")
                 prev = bytes(h)
-                expect_seq += 1
                 last[key_id] = (c, bytes(digest), event)
                 if event == "retired":
                     retired.add(key_id)
                 elif key_id in retired:
                     retired.discard(key_id)
+            del prev
         seen = set()
         for row in rows:
             report.effects += 1
             seen.add(row["key_id"])
+            sealed = keys is None or keys.valid("effects", effect_parts(row), row.get("seal"))
             info = last.get(row["key_id"])
             if info is None:
                 report.problems.append(f"effect {row['key_id']}: row has no audit events (forged)")
@@ -199,6 +202,8 @@ def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
                 report.problems.append(
                     f"effect {row['key_id']}: row differs from its last audited state (edited)"
                 )
+            elif not sealed:
+                report.problems.append(f"effect {row['key_id']}: fails its keyed seal (edited)")
         for key_id in sorted(set(last) - seen - retired):
             report.problems.append(f"effect {key_id}: row deleted (its events remain)")
         if witness is not None:
@@ -236,10 +241,30 @@ def _check_witness(
 ) -> Iterator[str]:
     try:
         with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-        witnessed = doc["heads"]
-    except (OSError, ValueError, KeyError) as exc:
+            text = fh.read()
+    except OSError as exc:
         yield f"witness {path}: unreadable ({exc})"
+        return
+    try:
+        witnessed = json.loads(text)["heads"]  # an exported witness (export_witness)
+    except (ValueError, KeyError, TypeError):
+        # The ledger's own append-only witness (ONCEONLY_WITNESS): "chain<TAB>seq" lines,
+        # "#reset" where an operator accepted a restore. Only sequence numbers.
+        seqs: dict[str, int] = {}
+        for line in text.splitlines():
+            parts = line.split("\t")
+            if parts and parts[0] == "#reset":
+                seqs.clear()
+            elif len(parts) == 2 and parts[1].isdigit():
+                seqs[parts[0]] = max(seqs.get(parts[0], 0), int(parts[1]))
+        for chain, seq in sorted(seqs.items()):
+            head = heads.get(chain)
+            if head is None or head[0] < seq:
+                at = 0 if head is None else head[0]
+                yield (
+                    f"chain {chain!r}: store is at event {at}, behind the witnessed {seq} "
+                    f"(rolled back)"
+                )
         return
     for chain, (seq, hexhash) in sorted(witnessed.items()):
         head = heads.get(chain)

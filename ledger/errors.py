@@ -15,6 +15,8 @@
         ├── UnknownEffect        no entry with this key id
         ├── InvalidTransition    the entry is not in a state that allows this change
         └── RunFenced            the run moved on (cancelled, edited, lease lost): no claim
+    CorruptRecord (checkpoint)
+    └── StoreRolledBack          the store is behind its witness (restored): nothing acts
 
 Every error carries the ``key_id`` it is about, where there is one, and says what to do.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from checkpoint.errors import OnceOnlyError
+from checkpoint.errors import CorruptRecord, OnceOnlyError
 
 __all__ = [
     "EffectFailed",
@@ -37,6 +39,7 @@ __all__ = [
     "PayloadErased",
     "ResultUnknown",
     "RunFenced",
+    "StoreRolledBack",
     "SubjectErased",
     "UnknownEffect",
 ]
@@ -250,4 +253,27 @@ class RunFenced(LedgerError):
         self.status = status
         super().__init__(
             f"run {run_id!r}: no new effect is claimed for it ({detail}); nothing was sent"
+        )
+
+
+class StoreRolledBack(CorruptRecord):
+    """The store is behind its witness: it was restored from an older copy (or rolled
+    back). Nothing is acted on until an operator accepts the restore.
+
+    Attributes:
+        chain: The chain found behind.
+        seq: Its head in the store.
+        witnessed: The head the witness saw.
+    """
+
+    def __init__(self, chain: str, seq: int, witnessed: int, path: str) -> None:
+        self.chain = chain
+        self.seq = seq
+        self.witnessed = witnessed
+        super().__init__(
+            f"the store is behind its witness {path}: chain {chain!r} is at event {seq}, "
+            f"the witness saw {witnessed} (a restore or rollback); nothing is acted on. "
+            f"Reconcile what happened since the backup, then run `onceonly audit "
+            f"accept-restore --as <you> --reason <why>`",
+            run_id=None if chain.startswith("tenant:") else chain,
         )

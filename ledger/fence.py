@@ -99,6 +99,4 @@ def check_fence(cur: Any, store: Store, fence: RunFence | None) -> None:
             f"edit or cancel, or another worker)",
         )
     if fence.owner is not None and run.lease_owner != fence.owner:
-        raise RunFenced(
-            fence.run_id, "lease", status, f"its lease is held by {run.lease_owner!r}"
-        )
+        raise RunFenced(fence.run_id, "lease", status, f"its lease is held by {run.lease_owner!r}")

@@ -33,6 +33,18 @@ from checkpoint.errors import CodecError, ConfigurationError, CorruptRecord, Sto
 from checkpoint.failpoints import failpoint
 
 from . import _schema
+from ._integrity import (
+    EVENT_COLS,
+    StoreRolledBack,
+    Witness,
+    check_event,
+    effect_parts,
+    event_parts,
+    head_of,
+    head_parts,
+    verify_chain,
+    whole_since,
+)
 from ._queries import QueryMixin
 from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
 from .audit import GENESIS, event_hash, row_digest
@@ -68,6 +80,9 @@ from .records import (
 __all__ = ["Ledger"]
 
 T = TypeVar("T")
+# How long a chain counted whole stays trusted below its head in this process before a
+# claim counts it in full again (a delete made while a worker runs is caught this late).
+_RECOUNT_S = 1.0
 log = logging.getLogger("onceonly.ledger")
 _COLS = _schema.COLUMNS
 ERASED = b""  # an outcome recorded after its subject was erased: no payload
@@ -149,6 +164,7 @@ class Ledger(QueryMixin):
         in_flight: InFlightPolicy | None = None,
         create: bool = True,
         clock: Callable[[], float] = time.time,
+        witness: str | None = None,
     ) -> None:
         if lease_s <= 0:
             raise ConfigurationError("lease_s must be > 0")
@@ -170,11 +186,73 @@ class Ledger(QueryMixin):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._live: set[tuple[str, int]] = set()  # claims this object handed out, open
         ensure_schema(store.engine, "ledger", _schema.LEDGER_MIGRATIONS, create=create)
-        # The store seals (and checks) its runs, checkpoints and waits with this keyring.
-        store.attach_integrity(keyring.row_keys())
+        # The store seals (and checks) its runs, checkpoints and waits with this keyring;
+        # the ledger seals its rows, events and chain heads with the same keys.
+        self._keys = keyring.row_keys()
+        store.attach_integrity(self._keys)
+        # chain -> (head known whole in this process, when it was last counted in full)
+        self._verified: dict[str, tuple[int, float]] = {}
+        path = (witness if witness is not None else os.environ.get("ONCEONLY_WITNESS", "")) or None
+        self.witness = None if path is None else Witness(path)
+        self._behind: StoreRolledBack | None = None
+        if self.witness is not None:
+            self._behind = self._behind_witness()
 
     # -- fail closed --------------------------------------------------------------------
+    def _behind_witness(self) -> StoreRolledBack | None:
+        """The first chain the store is behind its witness on (read at open)."""
+        assert self.witness is not None
+        witnessed = dict(self.witness.heads)
+        if not witnessed:
+            return None
+
+        def heads(cur: Any) -> dict[str, int]:
+            cur.execute("SELECT chain, seq FROM oo_chain_heads")
+            return {str(c): int(s_) for c, s_ in cur.fetchall()}
+
+        have = self.store.read(heads)
+        for chain, seq in sorted(witnessed.items()):
+            if have.get(chain, 0) < seq:
+                behind = StoreRolledBack(chain, have.get(chain, 0), seq, self.witness.path)
+                log.error("%s", behind)
+                return behind
+        return None
+
+    def accept_restore(self, *, actor: str, reason: str) -> dict[str, int]:
+        """Accept the store as it is after a restore: the witness is reset to the store's
+        current chain heads (the reset, with who and why, is appended to the witness
+        file and logged), and this ledger acts again.
+
+        Call it only after reconciling what the providers did since the backup: effects
+        made after it are no longer in the ledger.
+
+        Returns:
+            The chain heads the witness now holds.
+
+        Raises:
+            ConfigurationError: No witness is configured, or no actor or reason given.
+        """
+        if self.witness is None:
+            raise ConfigurationError("accept_restore needs a witness (ONCEONLY_WITNESS)")
+        if not actor.strip() or not reason.strip():
+            raise ConfigurationError("accepting a restore needs the operator and a reason")
+
+        def heads(cur: Any) -> dict[str, int]:
+            cur.execute("SELECT chain, seq FROM oo_chain_heads")
+            return {str(c): int(s_) for c, s_ in cur.fetchall()}
+
+        have = self.store.read(heads)
+        note = f"accepted by {actor} at {self._clock():.3f}: {' '.join(reason.split())}"
+        self.witness.reset(have, note)
+        log.warning("restore accepted (witness %s reset): %s", self.witness.path, note)
+        self._behind = None
+        self._verified.clear()
+        self._heads.clear()
+        return have
+
     def _check(self) -> None:
+        if self._behind is not None:
+            raise self._behind
         if self._poisoned is not None:
             raise LedgerUnavailable(
                 "this ledger stopped after an outcome could not be recorded "
@@ -212,6 +290,7 @@ class Ledger(QueryMixin):
         self._terminal.clear()
         self._prefetched.clear()
         self._live.clear()
+        self._verified.clear()
         self._poisoned = None
 
     def _write(self, fn: Callable[[Any], T], *, outcome: bool) -> T:
@@ -324,6 +403,7 @@ class Ledger(QueryMixin):
                 self._sealer.remember(*out.cipher)
             if out.kind == "claim":
                 assert out.claim is not None
+                self._witness_claim(out.row["chain"])
                 return out.claim
             if out.kind == "replay":
                 self._remember(out.row)
@@ -371,6 +451,7 @@ class Ledger(QueryMixin):
         found = cur.fetchall()
         if not found:
             self._check_absent(cur, chain, ids)
+            self._check_chain(cur, chain)
             check_fence(cur, self.store, fence)
             sid, kid = candidates[0]
             new_cipher = self._cipher_in_txn(cur, subject)
@@ -400,6 +481,7 @@ class Ledger(QueryMixin):
                 "created_at": now,
                 "updated_at": now,
             }
+            row["seal"] = self._keys.seal("effects", effect_parts(row))
             cols = ", ".join(_COLS)
             cur.execute(
                 f"INSERT INTO oo_effects ({cols}) VALUES ({', '.join([q] * len(_COLS))}) "
@@ -414,6 +496,8 @@ class Ledger(QueryMixin):
             found = cur.fetchall()
         row = _row(found[0])
         self._check_row(cur, row)
+        if row["status"] not in _TERMINAL:
+            self._check_chain(cur, row["chain"])  # a store behind its witness acts on nothing
         if row["fingerprint"] != fps.get(row["secret_id"]):
             return _Outcome("reuse", row)
         status = row["status"]
@@ -1051,6 +1135,7 @@ class Ledger(QueryMixin):
         failpoint("ledger.reconcile.after")
         self._remember(row)
         if resend:
+            self._witness_claim(row["chain"])
             return self._claim_of(row, resend=True)
         return _record(row)
 
@@ -1240,24 +1325,62 @@ class Ledger(QueryMixin):
 
     # -- integrity of rows on read (I4) ----------------------------------------------------
     def _check_row(self, cur: Any, row: Row) -> None:
-        """Refuse a row that differs from the state its last audit event recorded.
+        """Refuse a row that fails its seal, or differs from the state its last audit
+        event recorded, or whose last event fails its MAC.
 
         Raises:
-            CorruptRecord: The row was edited, forged or moved to another run's chain.
+            CorruptRecord: The row was edited (its unkeyed digest recomputed or not),
+                forged, rolled back alone, or moved to another run's chain.
         """
         q = self._q
+        if not self._keys.valid("effects", effect_parts(row), row.get("seal")):
+            raise CorruptRecord(
+                f"effect {row['key_id']} fails its keyed seal (edited, forged or written "
+                f"without the keyring); it is not acted on. Run `onceonly audit verify`",
+                run_id=row["run_id"],
+            )
         cur.execute(
-            f"SELECT row_digest FROM oo_audit WHERE chain = {q} AND key_id = {q} "
+            f"SELECT {EVENT_COLS}, mac FROM oo_audit WHERE chain = {q} AND key_id = {q} "
             f"ORDER BY seq DESC LIMIT 1",
             (row["chain"], row["key_id"]),
         )
         found = cur.fetchone()
-        if found is None or bytes(found[0]) != row_digest(row):
+        if (
+            found is None
+            or bytes(found[8]) != row_digest(row)
+            or not check_event(self._keys, found, found[12])
+        ):
             raise CorruptRecord(
                 f"effect {row['key_id']} differs from its audit trail (edited, forged or "
                 f"moved); it is not acted on. Run `onceonly audit verify` and resolve it by hand",
                 run_id=row["run_id"],
             )
+
+    def _check_chain(self, cur: Any, chain: str) -> None:
+        """Before a claim acts: the chain is whole up to its sealed head (what was
+        appended since this process last checked it), and not behind the witness.
+
+        Raises:
+            CorruptRecord: Events are missing, the head is missing or was replaced.
+            StoreRolledBack: The chain is behind its witness.
+        """
+        seen, counted = self._verified.get(chain, (0, 0.0))
+        now = time.monotonic()
+        if now - counted > _RECOUNT_S:
+            seen, counted = 0, now  # count the whole chain again now and then
+        head = whole_since(cur, self._q, self._keys, chain, seen)
+        self._verified[chain] = (head, counted)
+        if self.witness is not None:
+            seen = self.witness.heads.get(chain, 0)
+            if head < seen:
+                raise StoreRolledBack(chain, head, seen, self.witness.path)
+
+    def _witness_claim(self, chain: str) -> None:
+        """Advance the witness to the chain's head, durably, before the claim acts."""
+        if self.witness is not None:
+            head = self._heads.get(chain)
+            if head is not None:
+                self.witness.advance(chain, head[0])
 
     def _check_absent(self, cur: Any, chain: str, ids: list[str]) -> None:
         """Refuse to claim a key whose row is gone while its audit events remain (a
@@ -1290,17 +1413,32 @@ class Ledger(QueryMixin):
             )
 
     def _audited_rows(self, cur: Any, rows: list[Row]) -> list[Row]:
-        """The rows that match their chains' last audited states (one scan per chain);
-        the others are left out, to be refused one by one when a claim reads them."""
+        """The rows that match their chains' last audited states, in chains that verify
+        whole (one scan per chain: every event's MAC and link, the sealed head); the
+        others are left out, to be refused one by one when a claim reads them."""
         last: dict[tuple[str, str], bytes] = {}
+        q = self._q
         for chain in sorted({r["chain"] for r in rows}):
             cur.execute(
-                f"SELECT key_id, row_digest FROM oo_audit WHERE chain = {self._q} ORDER BY seq",
+                f"SELECT {EVENT_COLS}, mac FROM oo_audit WHERE chain = {q} ORDER BY seq",
                 (chain,),
             )
-            for kid, digest in cur.fetchall():
-                last[(chain, kid)] = bytes(digest)
-        return [r for r in rows if last.get((r["chain"], r["key_id"])) == row_digest(r)]
+            events = cur.fetchall()
+            try:
+                head = head_of(cur, q, self._keys, chain)
+            except CorruptRecord:
+                continue
+            if verify_chain(self._keys, chain, events, head):
+                continue  # not trusted: every claim in it goes through the checks
+            self._verified[chain] = (0 if head is None else head[0], time.monotonic())
+            for ev in events:
+                last[(chain, str(ev[2]))] = bytes(ev[8])
+        return [
+            r
+            for r in rows
+            if last.get((r["chain"], r["key_id"])) == row_digest(r)
+            and self._keys.valid("effects", effect_parts(r), r.get("seal"))
+        ]
 
     # -- transitions and the audit chain --------------------------------------------------
     def _transition(
@@ -1319,6 +1457,8 @@ class Ledger(QueryMixin):
         q = self._q
         now = self._clock()
         new = {**row, **changes, "updated_at": now}
+        changes = {**changes, "seal": self._keys.seal("effects", effect_parts(new))}
+        new["seal"] = changes["seal"]
         sets = ", ".join(f"{c} = {q}" for c in [*changes, "updated_at"])
         cur.execute(
             f"UPDATE oo_effects SET {sets} WHERE key_id = {q} AND epoch = {q} AND status = {q}",
@@ -1345,7 +1485,8 @@ class Ledger(QueryMixin):
         *,
         epoch: int | None = None,
     ) -> None:
-        """Append an event to the row's chain, linked to the chain's current last event.
+        """Append a sealed event to the row's chain, linked to the chain's sealed head,
+        and advance the head.
 
         The event records the row's state (status, digest); ``epoch`` overrides the
         event's epoch (a refused late outcome names the stale epoch it came from).
@@ -1353,7 +1494,9 @@ class Ledger(QueryMixin):
         The insert only succeeds if the event it links to is still the last one (and its
         sequence number is free), so a stale cached head, a rolled-back transaction or a
         concurrent appender on another worker can never fork or gap the chain; on a miss
-        the head is re-read and the append retried.
+        the head is re-read and the append retried. The head is read from
+        ``oo_chain_heads`` (sealed), never from the last event alone: an append never
+        papers over deleted events.
         """
         q = self._q
         chain = row["chain"]
@@ -1361,19 +1504,12 @@ class Ledger(QueryMixin):
         at = float(row["updated_at"])
         event_epoch = int(row["epoch"]) if epoch is None else epoch
         head = self._heads.get(chain)
-        cols = (
-            "chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
-            "prev_hash, hash"
-        )
-        select = ", ".join([q] * 12)
+        select = ", ".join([q] * 13)
         for _ in range(64):
             if head is None:
-                cur.execute(
-                    f"SELECT seq, hash FROM oo_audit WHERE chain = {q} ORDER BY seq DESC LIMIT 1",
-                    (chain,),
-                )
-                found = cur.fetchone()
-                head = (0, GENESIS) if found is None else (int(found[0]), bytes(found[1]))
+                head = head_of(cur, q, self._keys, chain)
+                if head is None:
+                    head = (0, GENESIS)
             seq = head[0] + 1
             h = event_hash(
                 head[1],
@@ -1402,6 +1538,7 @@ class Ledger(QueryMixin):
                 head[1],
                 h,
             )
+            mac = self._keys.seal("audit", event_parts(values))
             if head[0] == 0:
                 guard = f"NOT EXISTS (SELECT 1 FROM oo_audit WHERE chain = {q})"
                 guard_args: tuple[Any, ...] = (chain,)
@@ -1412,15 +1549,49 @@ class Ledger(QueryMixin):
                 )
                 guard_args = (chain, head[0], head[1])
             cur.execute(
-                f"INSERT INTO oo_audit ({cols}) SELECT {select} WHERE {guard} "
+                f"INSERT INTO oo_audit ({EVENT_COLS}, mac) SELECT {select} WHERE {guard} "
                 f"ON CONFLICT DO NOTHING",
-                (*values, *guard_args),
+                (*values, mac, *guard_args),
             )
             if cur.rowcount == 1:
+                self._advance_head(cur, chain, head, seq, h)
                 self._heads[chain] = (seq, h)
+                known = self._verified.get(chain)
+                if known is not None and known[0] == head[0]:
+                    self._verified[chain] = (seq, known[1])
                 return
             head = None  # stale head or a concurrent appender: re-read and retry
         raise StoreError(f"could not append to audit chain {chain!r}: its head kept moving")
+
+    def _advance_head(
+        self, cur: Any, chain: str, old: tuple[int, bytes], seq: int, h: bytes
+    ) -> None:
+        """Move the chain's sealed head from ``old`` to ``(seq, h)`` (compare-and-set).
+
+        Raises:
+            CorruptRecord: The head is not where the chain's last event is (events or
+                the head were deleted behind the ledger's back).
+        """
+        q = self._q
+        seal = self._keys.seal("heads", head_parts(chain, seq, h))
+        if old[0] == 0:
+            cur.execute(
+                f"INSERT INTO oo_chain_heads (chain, seq, hash, seal) VALUES ({q}, {q}, {q}, "
+                f"{q}) ON CONFLICT DO NOTHING",
+                (chain, seq, h, seal),
+            )
+        else:
+            cur.execute(
+                f"UPDATE oo_chain_heads SET seq = {q}, hash = {q}, seal = {q} "
+                f"WHERE chain = {q} AND seq = {q} AND hash = {q}",
+                (seq, h, seal, chain, old[0], old[1]),
+            )
+        if cur.rowcount != 1:
+            raise CorruptRecord(
+                f"audit chain {chain!r}: its sealed head is not its last event (events or "
+                f"the head deleted); nothing is acted on. Run `onceonly audit verify`",
+                run_id=None if chain.startswith("tenant:") else chain,
+            )
 
     # -- data keys ----------------------------------------------------------------------
     def _cipher(self, subject: str) -> ChaCha20Poly1305:

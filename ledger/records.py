@@ -109,6 +109,11 @@ class EffectRecord:
         first_sent_at: When the first attempt was claimed (class A window start).
         created_at: UNIX seconds.
         updated_at: UNIX seconds.
+        integrity: What reading the row found: ``ok``; ``edited`` (it fails its keyed
+            seal); ``unsealed`` (no seal: written before sealing or without the keyring);
+            ``diverged`` (it differs from its last audit event, or that event fails its
+            MAC; checked by :meth:`Ledger.get`). Operator reads show every row, flagged;
+            the acting path refuses anything but ``ok``.
     """
 
     key_id: str
@@ -131,6 +136,7 @@ class EffectRecord:
     first_sent_at: float | None
     created_at: float
     updated_at: float
+    integrity: str = "ok"
 
 
 @dataclass(frozen=True)

@@ -457,7 +457,7 @@ def _forgets_what_was_applied(monkeypatch: pytest.MonkeyPatch) -> None:
     def claim_txn(self: Ledger, cur: Any, *args: Any) -> _Outcome:
         out = original(self, cur, *args)
         if out.kind == "replay" and out.row["status"] == EffectStatus.COMMITTED.value:
-            moved = self._reclaim(cur, out.row, "reclaimed", resend=False)
+            moved = self._reclaim(cur, out.row, "reclaimed", resend=False, fence=None)
             assert moved is not None
             return _Outcome("claim", moved, self._claim_of(moved))
         return out
@@ -473,7 +473,7 @@ def _trusts_a_crashed_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     def claim_txn(self: Ledger, cur: Any, *args: Any) -> _Outcome:
         out = original(self, cur, *args)
         if out.kind == "doubt" and out.row["status"] == EffectStatus.UNKNOWN.value:
-            moved = self._reclaim(cur, out.row, "reclaimed", resend=False)
+            moved = self._reclaim(cur, out.row, "reclaimed", resend=False, fence=None)
             assert moved is not None
             return _Outcome("claim", moved, self._claim_of(moved))
         return out

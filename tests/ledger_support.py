@@ -135,7 +135,11 @@ def effect_row(engine: Engine, key_id: str) -> dict[str, Any]:
 
 def audit_rows(engine: Engine) -> list[tuple[Any, ...]]:
     """Every audit event, in chain and sequence order, as stored."""
-    rows = fetch(engine, "SELECT * FROM oo_audit ORDER BY chain, seq")
+    rows = fetch(
+        engine,
+        "SELECT chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, "
+        "prev_hash, hash FROM oo_audit ORDER BY chain, seq",
+    )
     return [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r) for r in rows]
 
 

@@ -8,6 +8,7 @@ head back. The oracle is the fake provider's delivery log.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -15,14 +16,16 @@ import pytest
 from adapters import current_claim, guard
 from checkpoint import CorruptRecord, RunStatus, Store, WaitStatus
 from checkpoint import _delta as delta
-from ledger import Ledger
+from ledger import EffectIdentity, Ledger
+from ledger._integrity import StoreRolledBack
+from ledger.audit import event_hash, row_digest
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
 from onceonly.worker import Worker
 from tests.dbutil import execute, fetch
-from tests.ledger_support import Ledgers
+from tests.ledger_support import Ledgers, effect_row
 
 
 class Provider:
@@ -250,3 +253,116 @@ def test_rows_written_without_keys_are_refused_until_sealed(ledgers: Ledgers) ->
     assert snap is not None
     assert (run.next_step, snap.state) == ("a", {"x": 1})
     assert keyed.seal_unsealed() == 0
+
+
+# -- the ledger: deleted events, recomputed digests, a restored store --------------------
+
+
+def _effect(world: World, ledger: Ledger, n: int) -> Any:
+    ident = EffectIdentity("t", "run-x", "s", 0, f"send{n}@1", 0)
+    return ledger.perform(
+        ident, {"n": n}, lambda claim: world.provider.sent.append((n, claim.provider_key))
+    )
+
+
+@pytest.mark.parametrize("which", ["middle", "newest"])
+def test_an_effect_deleted_with_its_events_is_not_sent_again(world: World, which: str) -> None:
+    led = world.ledgers.fresh(owner="w1")
+    for n in range(4):
+        _effect(world, led, n)
+    kill = 1 if which == "middle" else 3
+    [key] = [r.key_id for r in led.effects(run_id="run-x") if r.effect == f"send{kill}@1"]
+    execute(world.store.engine, "DELETE FROM oo_audit WHERE key_id = :k", k=key)
+    execute(world.store.engine, "DELETE FROM oo_effects WHERE key_id = :k", k=key)
+    with pytest.raises(CorruptRecord):  # another process
+        _effect(world, world.ledgers.fresh(owner="w2"), kill)
+    # This process replays what it remembers; a key it never saw is refused once its
+    # recount of the chain finds the gap.
+    _effect(world, led, kill)
+    time.sleep(1.1)
+    with pytest.raises(CorruptRecord):
+        _effect(world, led, 9)
+    assert len(world.provider.sent) == 4
+    _verify_finds(world, "chain 'run-x'")
+
+
+def test_an_effect_row_with_recomputed_unkeyed_digests_is_refused(world: World) -> None:
+    led = world.ledgers.fresh(owner="w1")
+    _effect(world, led, 0)
+    [rec] = led.effects(run_id="run-x")
+    # As an attacker would: flip the row to not_happened, recompute its unkeyed digest
+    # into its last event, and that event's (unkeyed) hash, and the head.
+    row = effect_row(world.store.engine, rec.key_id)
+    row["status"] = "not_happened"
+    digest = row_digest(row)
+    [(seq, event, epoch, actor, detail, at, prev)] = fetch(
+        world.store.engine,
+        "SELECT seq, event, epoch, actor, detail, at, prev_hash FROM oo_audit "
+        "WHERE key_id = :k ORDER BY seq DESC LIMIT 1",
+        k=rec.key_id,
+    )
+    h = event_hash(
+        bytes(prev),
+        "run-x",
+        seq,
+        rec.key_id,
+        event,
+        epoch,
+        "not_happened",
+        actor,
+        detail,
+        digest,
+        at,
+    )
+    execute(
+        world.store.engine,
+        "UPDATE oo_effects SET status = 'not_happened' WHERE key_id = :k",
+        k=rec.key_id,
+    )
+    execute(
+        world.store.engine,
+        "UPDATE oo_audit SET status = 'not_happened', row_digest = :d, hash = :h "
+        "WHERE key_id = :k AND seq = :s",
+        d=digest,
+        h=h,
+        k=rec.key_id,
+        s=seq,
+    )
+    execute(world.store.engine, "UPDATE oo_chain_heads SET hash = :h WHERE chain = 'run-x'", h=h)
+    other = world.ledgers.fresh(owner="w2")
+    with pytest.raises(CorruptRecord):
+        _effect(world, other, 0)
+    assert len(world.provider.sent) == 1
+    assert other.get(rec.key_id).integrity == "edited"
+    assert [r.integrity for r in other.effects(run_id="run-x")] == ["edited"]
+    _verify_finds(world, rec.key_id)
+
+
+_TABLES = ("oo_effects", "oo_audit", "oo_chain_heads", "oo_data_keys")
+
+
+def test_a_restored_store_behind_its_witness_refuses_to_act(world: World, tmp_path: Any) -> None:
+    path = str(tmp_path / "witness")
+    led = world.ledgers.fresh(owner="w1", witness=path)
+    _effect(world, led, 0)
+    engine = world.store.engine
+    for t in _TABLES:  # a backup
+        execute(engine, f"CREATE TABLE snap_{t} AS SELECT * FROM {t}")
+    _effect(world, led, 1)
+    for t in _TABLES:  # ... restored over the store
+        execute(engine, f"DELETE FROM {t}")
+        execute(engine, f"INSERT INTO {t} SELECT * FROM snap_{t}")
+    other = world.ledgers.fresh(owner="w2", witness=path)
+    with pytest.raises(StoreRolledBack):
+        _effect(world, other, 1)
+    with pytest.raises(StoreRolledBack):
+        _effect(world, other, 2)  # nothing at all, in the rolled-back chain
+    assert len(world.provider.sent) == 2
+    # Without the witness the restore looks whole (the positive control of the witness).
+    plain = world.ledgers.fresh(owner="w3", witness="")
+    assert plain.witness is None
+    report = other.verify(witness=path)
+    assert any("behind" in p or "rolled back" in p for p in report.problems), report.problems
+    other.accept_restore(actor="ops", reason="restored from the 09:00 backup, reconciled")
+    _effect(world, other, 2)
+    assert len(world.provider.sent) == 3
