@@ -24,10 +24,13 @@ from .records import EffectRecord, EffectStatus, RetentionPolicy
 __all__: list[str] = []
 
 
-def _flagged(record: EffectRecord, keys: RowKeys, row: Row) -> EffectRecord:
-    """The record, flagged ``edited`` / ``unsealed`` when its row fails its seal."""
+def _flagged(record: EffectRecord, keys: RowKeys | None, row: Row) -> EffectRecord:
+    """The record, flagged ``edited`` / ``unsealed`` when its row fails its seal, or
+    ``unverified`` without keys (a read-only view)."""
     from ._integrity import effect_parts  # noqa: PLC0415  (_integrity imports audit)
 
+    if keys is None:
+        return dataclasses.replace(record, integrity="unverified")
     seal = row.get("seal")
     if seal is None:
         return dataclasses.replace(record, integrity="unsealed")
@@ -48,7 +51,7 @@ class QueryMixin:
     _cipher: Callable[[str], Any]
     _write: Callable[..., Any]
     _append: Callable[[Any, Row, str, str, str], None]
-    _keys: RowKeys
+    _keys: RowKeys | None
     _check_row: Callable[[Any, Row], None]
 
     def get(self, key_id: str) -> EffectRecord:

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from checkpoint import Codec, Store, ensure_schema
+from checkpoint import Codec, RowKeys, Store, ensure_schema
 from checkpoint.errors import CodecError, ConfigurationError, CorruptRecord, StoreError
 from checkpoint.failpoints import failpoint
 
@@ -165,6 +165,7 @@ class Ledger(QueryMixin):
         create: bool = True,
         clock: Callable[[], float] = time.time,
         witness: str | None = None,
+        read_only: bool = False,
     ) -> None:
         if lease_s <= 0:
             raise ConfigurationError("lease_s must be > 0")
@@ -188,8 +189,12 @@ class Ledger(QueryMixin):
         ensure_schema(store.engine, "ledger", _schema.LEDGER_MIGRATIONS, create=create)
         # The store seals (and checks) its runs, checkpoints and waits with this keyring;
         # the ledger seals its rows, events and chain heads with the same keys.
-        self._keys = keyring.row_keys()
-        store.attach_integrity(self._keys)
+        # A read-only ledger (an operator's view without the secret) checks no seals and
+        # writes nothing: what it shows is flagged ``unverified``.
+        self.read_only = read_only
+        self._keys: RowKeys | None = None if read_only else keyring.row_keys()
+        if self._keys is not None:
+            store.attach_integrity(self._keys)
         # chain -> (head known whole in this process, when it was last counted in full)
         self._verified: dict[str, tuple[int, float]] = {}
         path = (witness if witness is not None else os.environ.get("ONCEONLY_WITNESS", "")) or None
@@ -250,7 +255,62 @@ class Ledger(QueryMixin):
         self._heads.clear()
         return have
 
+    def seal_unsealed(self) -> int:
+        """Seal every ledger row that carries no seal (effect rows, audit events, chain
+        heads), and the store's runs, checkpoints and waits, as they stand: for a store
+        created before sealing, after checking it (``verify``). Returns how many rows
+        were sealed.
+
+        Raises:
+            ConfigurationError: The ledger is read-only.
+        """
+        self._check()
+        keys = self._keys
+        assert keys is not None
+        q = self._q
+
+        def txn(cur: Any) -> int:
+            n = 0
+            cur.execute(f"{_SELECT} WHERE seal IS NULL")
+            for found in cur.fetchall():
+                row = _row(found)
+                cur.execute(
+                    f"UPDATE oo_effects SET seal = {q} WHERE key_id = {q}",
+                    (keys.seal("effects", effect_parts(row)), row["key_id"]),
+                )
+                n += 1
+            cur.execute(f"SELECT {EVENT_COLS} FROM oo_audit WHERE mac IS NULL")
+            for ev in cur.fetchall():
+                cur.execute(
+                    f"UPDATE oo_audit SET mac = {q} WHERE chain = {q} AND seq = {q}",
+                    (keys.seal("audit", event_parts(ev)), ev[0], ev[1]),
+                )
+                n += 1
+            cur.execute(
+                "SELECT a.chain, a.seq, a.hash FROM oo_audit a WHERE a.seq = (SELECT "
+                "MAX(b.seq) FROM oo_audit b WHERE b.chain = a.chain) AND NOT EXISTS "
+                "(SELECT 1 FROM oo_chain_heads h WHERE h.chain = a.chain)"
+            )
+            for chain, seq, h in cur.fetchall():
+                cur.execute(
+                    f"INSERT INTO oo_chain_heads (chain, seq, hash, seal) VALUES "
+                    f"({q}, {q}, {q}, {q})",
+                    (chain, seq, bytes(h), keys.seal("heads", head_parts(chain, seq, bytes(h)))),
+                )
+                n += 1
+            return n
+
+        n = self._write(txn, outcome=False)
+        self._verified.clear()
+        self._heads.clear()
+        return n + self.store.seal_unsealed()
+
     def _check(self) -> None:
+        if self.read_only:
+            raise ConfigurationError(
+                "this ledger was opened read-only (no keyring): it writes nothing; set "
+                "ONCEONLY_SECRETS to act"
+            )
         if self._behind is not None:
             raise self._behind
         if self._poisoned is not None:
@@ -481,7 +541,7 @@ class Ledger(QueryMixin):
                 "created_at": now,
                 "updated_at": now,
             }
-            row["seal"] = self._keys.seal("effects", effect_parts(row))
+            row["seal"] = self._seal("effects", effect_parts(row))
             cols = ", ".join(_COLS)
             cur.execute(
                 f"INSERT INTO oo_effects ({cols}) VALUES ({', '.join([q] * len(_COLS))}) "
@@ -1333,7 +1393,9 @@ class Ledger(QueryMixin):
                 forged, rolled back alone, or moved to another run's chain.
         """
         q = self._q
-        if not self._keys.valid("effects", effect_parts(row), row.get("seal")):
+        if self._keys is not None and not self._keys.valid(
+            "effects", effect_parts(row), row.get("seal")
+        ):
             raise CorruptRecord(
                 f"effect {row['key_id']} fails its keyed seal (edited, forged or written "
                 f"without the keyring); it is not acted on. Run `onceonly audit verify`",
@@ -1355,6 +1417,11 @@ class Ledger(QueryMixin):
                 f"moved); it is not acted on. Run `onceonly audit verify` and resolve it by hand",
                 run_id=row["run_id"],
             )
+
+    def _seal(self, table: str, parts: list[object]) -> bytes:
+        if self._keys is None:  # pragma: no cover  (read-only ledgers refuse writes first)
+            raise ConfigurationError("a read-only ledger seals nothing")
+        return self._keys.seal(table, parts)
 
     def _check_chain(self, cur: Any, chain: str) -> None:
         """Before a claim acts: the chain is whole up to its sealed head (what was
@@ -1437,7 +1504,7 @@ class Ledger(QueryMixin):
             r
             for r in rows
             if last.get((r["chain"], r["key_id"])) == row_digest(r)
-            and self._keys.valid("effects", effect_parts(r), r.get("seal"))
+            and (self._keys is None or self._keys.valid("effects", effect_parts(r), r.get("seal")))
         ]
 
     # -- transitions and the audit chain --------------------------------------------------
@@ -1457,7 +1524,7 @@ class Ledger(QueryMixin):
         q = self._q
         now = self._clock()
         new = {**row, **changes, "updated_at": now}
-        changes = {**changes, "seal": self._keys.seal("effects", effect_parts(new))}
+        changes = {**changes, "seal": self._seal("effects", effect_parts(new))}
         new["seal"] = changes["seal"]
         sets = ", ".join(f"{c} = {q}" for c in [*changes, "updated_at"])
         cur.execute(
@@ -1538,7 +1605,7 @@ class Ledger(QueryMixin):
                 head[1],
                 h,
             )
-            mac = self._keys.seal("audit", event_parts(values))
+            mac = self._seal("audit", event_parts(values))
             if head[0] == 0:
                 guard = f"NOT EXISTS (SELECT 1 FROM oo_audit WHERE chain = {q})"
                 guard_args: tuple[Any, ...] = (chain,)
@@ -1573,7 +1640,7 @@ class Ledger(QueryMixin):
                 the head were deleted behind the ledger's back).
         """
         q = self._q
-        seal = self._keys.seal("heads", head_parts(chain, seq, h))
+        seal = self._seal("heads", head_parts(chain, seq, h))
         if old[0] == 0:
             cur.execute(
                 f"INSERT INTO oo_chain_heads (chain, seq, hash, seal) VALUES ({q}, {q}, {q}, "

@@ -36,15 +36,27 @@ def db_url(url: str | None) -> str:
     return url or os.environ.get("ONCEONLY_DATABASE_URL") or DEFAULT_URL
 
 
-def keyring(required: bool) -> Keyring:
-    """The keyring from ``$ONCEONLY_SECRETS``; when not ``required`` and unset, a throwaway
-    one (listing, showing metadata and verifying need no secret; it decrypts nothing)."""
+def keyring(required: bool) -> Keyring | None:
+    """The keyring from ``$ONCEONLY_SECRETS``; when not ``required`` and unset, None (a
+    read-only view: listing and showing metadata need no secret, but then nothing is
+    checked against its seal, and nothing can be written)."""
     try:
         return Keyring.from_env()
     except ConfigurationError:
         if required:
             raise
-        return Keyring([Secret("read-only", os.urandom(32))])
+        return None
+
+
+def open_ledger(store: Store, *, required: bool, **kwargs: Any) -> Ledger:
+    """A ledger on ``store``: keyed from ``$ONCEONLY_SECRETS``, or read-only without it
+    (when not ``required``)."""
+    ring = keyring(required=required)
+    if ring is None:
+        return Ledger(
+            store, Keyring([Secret("read-only", os.urandom(32))]), read_only=True, **kwargs
+        )
+    return Ledger(store, ring, **kwargs)
 
 
 def identity(given: str | None) -> str:
@@ -67,15 +79,16 @@ def identity(given: str | None) -> str:
 
 
 @contextlib.contextmanager
-def operator(url: str | None, *, secrets: bool = False) -> Iterator[Operator]:
+def operator(url: str | None) -> Iterator[Operator]:
     """An :class:`Operator` on an existing database (the schema is never created here).
+    Operators write sealed rows: ``$ONCEONLY_SECRETS`` is required.
 
     The store's codec is lenient, so values of dataclasses this process has not
     registered are shown rather than refused, and written back exactly as they were
     stored (as :class:`checkpoint.Opaque` values) by every action that saves a state.
     """
     with Store.open(db_url(url), create=False, codec=Codec(strict=False)) as store:
-        ledger = Ledger(store, keyring(required=secrets), create=False)
+        ledger = open_ledger(store, required=True, create=False)
         try:
             yield Operator(store, ledger)
         finally:
@@ -86,7 +99,7 @@ def operator(url: str | None, *, secrets: bool = False) -> Iterator[Operator]:
 def ledger_on(url: str | None, *, secrets: bool = False) -> Iterator[Ledger]:
     """The effects ledger on an existing database."""
     with Store.open(db_url(url), create=False) as store:
-        ledger = Ledger(store, keyring(required=secrets), create=False)
+        ledger = open_ledger(store, required=secrets, create=False)
         try:
             yield ledger
         finally:

@@ -67,7 +67,7 @@ def effects_list(
     table = Table(title="effects")
     # The start of the key id (as in the docs); --json has the whole one.
     table.add_column("key id", no_wrap=True, overflow="ellipsis", max_width=17)
-    for col in ("effect", "run", "status", "class", "epoch", "attempts"):
+    for col in ("effect", "run", "status", "class", "epoch", "attempts", "check"):
         table.add_column(col, overflow="fold")
     for r in rows:
         table.add_row(
@@ -78,8 +78,18 @@ def effects_list(
             r.provider_class.value,
             str(r.epoch),
             str(r.attempts),
+            _mark(r.integrity),
         )
     Console().print(table)
+    if rows and rows[0].integrity == "unverified":
+        Console(stderr=True).print(UNVERIFIED)
+
+
+UNVERIFIED = "seals not checked: set ONCEONLY_SECRETS to check every row against its seal"
+
+
+def _mark(integrity: str) -> str:
+    return {"ok": "ok", "unverified": "-"}.get(integrity, f"[red]{integrity.upper()}[/red]")
 
 
 @effects.command("show")
@@ -105,13 +115,24 @@ def effects_show(key_id: str, url: str | None, payload: bool, as_json: bool) -> 
         doc: dict[str, object] = {"effect": record_json(rec), "events": events, "late": late}
         if payload:
             doc["payload"] = json.loads(ledger.codec.encode(ledger.payload(key_id)))
+    bad = rec.integrity not in ("ok", "unverified")
     if as_json:
         click.echo(json.dumps(doc, default=str))
-        return
-    con = Console(soft_wrap=True)
-    con.print_json(json.dumps(doc, default=str))
-    for e in late:
-        con.print(f"[yellow]late outcome[/yellow] from {e['actor']}: {e['detail']}")
+    else:
+        con = Console(soft_wrap=True)
+        con.print_json(json.dumps(doc, default=str))
+        for e in late:
+            con.print(f"[yellow]late outcome[/yellow] from {e['actor']}: {e['detail']}")
+        if bad:
+            con.print(
+                f"[red]NOT TRUSTED[/red]: this entry is {rec.integrity} (it does not verify "
+                f"against its seal or its audit trail); it is not acted on. Run `onceonly "
+                f"audit verify`"
+            )
+        elif rec.integrity == "unverified":
+            Console(stderr=True).print(UNVERIFIED)
+    if bad:
+        sys.exit(1)
 
 
 def _chain(rec: EffectRecord) -> str:
@@ -152,7 +173,7 @@ def effects_resolve(
     if not happened and result is not UNKNOWN_RESULT:
         raise click.UsageError("--result goes with --happened (nothing happened, no result)")
     who = identity(actor)
-    with operator(url, secrets=True) as op:
+    with operator(url) as op:
         rec = op.resolve(key_id, happened=happened, evidence=evidence, actor=who, result=result)
     _decided(rec, who, "resolved", happened, result, as_json)
 
@@ -231,10 +252,15 @@ def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
     """Check every chain, effect row, blob and checkpoint; exit 1 on any problem."""
     with ledger_on(url) as ledger, progress("verifying the audit trail"):
         report = ledger.verify(witness=witness)
+        note = ledger.store.integrity_note
     if as_json:
-        click.echo(report.to_json())
+        doc = json.loads(report.to_json())
+        doc["note"] = note
+        click.echo(json.dumps(doc))
     else:
         con = Console(soft_wrap=True)
+        if note is not None:
+            con.print(f"[yellow]note:[/yellow] {note}")
         con.print(
             f"chains {report.chains}, events {report.events}, effects {report.effects}, "
             f"blobs and checkpoints {report.blobs}"
@@ -265,3 +291,42 @@ def audit_export(url: str | None, out: str, witness: str | None, as_json: bool) 
         emit_json({"exported": n, "out": out, "witness": witness})
         return
     click.echo(f"exported {n} effect(s) to {out}" + (f"; witness in {witness}" if witness else ""))
+
+
+@audit.command("seal")
+@click.option("--url", default=None, help=URL_HELP)
+@click.option("--as", "--actor", "actor", default=None, metavar="ACTOR", help=AS_HELP)
+@click.option("--reason", required=True, help="Why the store's contents are trusted.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def audit_seal(url: str | None, actor: str | None, reason: str, as_json: bool) -> None:
+    """Seal every row written before sealing (or without the keyring), as it stands.
+
+    Run `onceonly audit verify` first: this trusts what is there now.
+    """
+    who = identity(actor)
+    with ledger_on(url, secrets=True) as ledger:
+        n = ledger.seal_unsealed()
+    if as_json:
+        emit_json({"sealed": n, "by": who, "reason": reason})
+        return
+    click.echo(f"sealed {n} row(s) as {who}: {reason}")
+
+
+@audit.command("accept-restore")
+@click.option("--url", default=None, help=URL_HELP)
+@click.option("--as", "--actor", "actor", default=None, metavar="ACTOR", help=AS_HELP)
+@click.option("--reason", required=True, help="What was restored and reconciled.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def audit_accept_restore(url: str | None, actor: str | None, reason: str, as_json: bool) -> None:
+    """Accept a store that is behind its witness (ONCEONLY_WITNESS) after a restore.
+
+    Reconcile first what the providers did after the backup: the ledger no longer
+    knows those effects. The reset, with who and why, is appended to the witness.
+    """
+    who = identity(actor)
+    with ledger_on(url, secrets=True) as ledger:
+        heads = ledger.accept_restore(actor=who, reason=reason)
+    if as_json:
+        emit_json({"accepted": len(heads), "by": who, "reason": reason})
+        return
+    click.echo(f"restore accepted by {who}: the witness now holds {len(heads)} chain head(s)")

@@ -18,7 +18,6 @@ from rich.table import Table
 from rich.text import Text
 
 from checkpoint import Codec, RunStatus, SchemaVersionError, Store, Wait, WaitKind, Waits
-from ledger import Ledger
 
 from ._cli_common import (
     HASH,
@@ -29,7 +28,7 @@ from ._cli_common import (
     emit_json,
     identity,
     json_option,
-    keyring,
+    open_ledger,
     operator,
     plain,
     record_json,
@@ -147,7 +146,7 @@ def runs_list(
 
 def _view(store: Store, run_id: str) -> RunView:
     try:
-        ledger = Ledger(store, keyring(required=False), create=False)
+        ledger = open_ledger(store, required=False, create=False)
     except SchemaVersionError as exc:
         if exc.component != "ledger" or exc.found != 0:
             raise

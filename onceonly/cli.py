@@ -17,7 +17,6 @@ from rich.console import Console
 
 from checkpoint import OnceOnlyError, Store, migrate
 from checkpoint.errors import ConfigurationError
-from ledger import Ledger
 from ledger import migrate as ledger_migrate
 
 from ._cli_common import (
@@ -27,7 +26,7 @@ from ._cli_common import (
     emit_json,
     format_duration,
     json_option,
-    keyring,
+    open_ledger,
     operator,
     progress,
     url_option,
@@ -191,7 +190,7 @@ def worker_cmd(
     flows = load_flows(flows_spec)
     worker_owner = owner or default_owner()
     with Store.open(db_url(url)) as store:
-        ledger = Ledger(store, keyring(required=True), owner=worker_owner, lease_s=claim_lease_s)
+        ledger = open_ledger(store, required=True, owner=worker_owner, lease_s=claim_lease_s)
         try:
             rt = Runtime(store, ledger, flows, owner=worker_owner, lease_s=lease_s)
             worker = Worker(rt, batch=batch, poll_s=poll_s)
