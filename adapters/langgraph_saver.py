@@ -17,13 +17,24 @@ pages and long lists into sealed chunks, each a content-addressed (blake3) blob 
 every checkpoint that refers to it. Values are stored in onceonly's canonical codec where
 it is exact (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, and lists, tuples
 and string-keyed dicts of them); every other value inside them (LangChain messages,
-Pydantic models, LangGraph's markers) is serialised by the saver's ``serde``
-(``JsonPlusSerializer``, msgpack, by default) and its bytes stored inside the canonical
-JSON, so a list of messages is still stored message by message. The rest of a checkpoint
-(id, parent, timestamp, channel versions, versions seen) and its metadata are one record
-row, pending writes one row each (tables ``oo_lg_*``, schema component ``langgraph``);
-every row carries a digest. A checkpoint row, delta, blob or write that fails its check
-raises :class:`~checkpoint.CorruptRecord` and is never returned.
+Pydantic models, LangGraph's markers) is serialised by the saver's ``serde`` and its
+bytes stored inside the canonical JSON, so a list of messages is still stored message by
+message. The rest of a checkpoint (id, parent, timestamp, channel versions, versions seen)
+and its metadata are one record row, pending writes one row each (tables ``oo_lg_*``,
+schema component ``langgraph``).
+
+**Integrity.** Every row carries a digest (accidents) and, with integrity keys, a keyed
+seal (deliberate edits): thread rows, checkpoint records, pending writes here, and the
+store's runs and checkpoints under them (:mod:`checkpoint.integrity`). The keys come from
+the keyring (``keyring=``, else ``ONCEONLY_SECRETS``); a saver without them must be asked
+for (``unkeyed=True``) and says what it cannot detect (:attr:`OnceOnlySaver.integrity_note`).
+Seals are checked before anything of a row is decoded. A row, delta, blob or write that
+fails a check raises :class:`~checkpoint.CorruptRecord` and is never returned.
+
+**No code from stored bytes.** The default ``serde`` is :class:`StrictSerializer`:
+LangGraph's encoding, and a decoder that builds only allow-listed types (LangChain
+messages, LangGraph's markers, the types you register) and refuses any other with
+:class:`UnregisteredType` before anything is constructed.
 
 **Durability.** :meth:`OnceOnlySaver.from_url` opens its own store and commits each
 ``put`` (the channel values and the checkpoint record) in one transaction, durable when
@@ -43,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import os
 import random
 import threading
 import time
@@ -76,15 +88,18 @@ from checkpoint import (
     Handoff,
     KeyframePolicy,
     OnceOnlyError,
+    RowKeys,
     RunNotFound,
     Store,
     ensure_schema,
 )
+from ledger import Keyring
 
 from . import _langgraph_schema as _schema
+from ._langgraph_serde import StrictSerializer, UnregisteredType
 from ._langgraph_values import pack, register, seal, unpack, unseal
 
-__all__ = ["OnceOnlySaver", "copy_threads", "migrate"]
+__all__ = ["OnceOnlySaver", "StrictSerializer", "UnregisteredType", "copy_threads", "migrate"]
 
 migrate = _schema.migrate
 
@@ -94,8 +109,9 @@ _RUN_CACHE = 4096
 _ATTEMPTS = 3
 _CK_COLS = (
     "thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, run_id, seq, lg_run_id, "
-    "record, digest"
+    "record, digest, seal"
 )
+_WRITE_COLS = "task_id, idx, channel, task_path, value, digest, seal"
 
 
 class _Stale(OnceOnlyError):
@@ -114,6 +130,7 @@ class _Row:
     lg_run_id: str | None
     record: bytes
     digest: bytes
+    seal: bytes | None
 
     @classmethod
     def of(cls, r: Sequence[Any]) -> _Row:
@@ -127,33 +144,47 @@ class _Row:
             None if r[6] is None else str(r[6]),
             bytes(r[7]),
             bytes(r[8]),
+            None if r[9] is None else bytes(r[9]),
+        )
+
+    def parts(self) -> list[object]:
+        return _schema.checkpoint_parts(
+            self.thread_id,
+            self.checkpoint_ns,
+            self.checkpoint_id,
+            self.parent_checkpoint_id,
+            self.run_id,
+            self.seq,
+            self.lg_run_id,
+            self.record,
         )
 
 
-def _row_digest(
-    thread_id: str,
-    ns: str,
-    cid: str,
-    parent: str | None,
-    run_id: str,
-    seq: int,
-    lg_run: str | None,
-    record: bytes,
-) -> bytes:
-    return _schema.digest("ck", thread_id, ns, cid, parent, run_id, seq, lg_run, record)
+def _row_keys(keyring: Keyring | None, *, unkeyed: bool) -> RowKeys | None:
+    """The keys a saver seals with: the keyring's, else ``ONCEONLY_SECRETS``'s; none
+    only when asked for (``unkeyed``).
+
+    Raises:
+        ConfigurationError: No keyring, no ``ONCEONLY_SECRETS`` and not ``unkeyed``; or a
+            keyring and ``unkeyed`` both; or ``ONCEONLY_SECRETS`` is malformed.
+    """
+    if keyring is not None and unkeyed:
+        raise ConfigurationError("OnceOnlySaver: pass a keyring or unkeyed=True, not both")
+    if keyring is not None:
+        return keyring.row_keys()
+    if unkeyed:
+        return None
+    if os.environ.get("ONCEONLY_SECRETS"):
+        return Keyring.from_env().row_keys()
+    raise ConfigurationError(_NO_KEYS)
 
 
-def _write_digest(
-    thread_id: str,
-    ns: str,
-    cid: str,
-    task_id: str,
-    idx: int,
-    channel: str,
-    task_path: str,
-    value: bytes,
-) -> bytes:
-    return _schema.digest("wr", thread_id, ns, cid, task_id, idx, channel, task_path, value)
+_NO_KEYS = (
+    "OnceOnlySaver: no integrity keys. Set ONCEONLY_SECRETS (as for the ledger), pass "
+    "keyring=Keyring(...), or give it a store opened with integrity keys; or pass "
+    "unkeyed=True to run without them: then a checkpoint, write or thread row edited by "
+    "someone who recomputes its unkeyed digest is not detected"
+)
 
 
 def _conf(config: RunnableConfig) -> dict[str, Any]:
@@ -170,21 +201,40 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
     safe to share between threads and event loops; calls on one saver are serialised.
 
     Args:
-        store: The checkpoint store (shared with a ``Ledger`` if you like). The saver
-            creates its tables there when the database has none.
-        serde: LangGraph's serializer for values the codec cannot store exactly
-            (default: ``JsonPlusSerializer``).
+        store: The checkpoint store (shared with a ``Ledger`` if you like: the ledger
+            gives it its keyring's keys). The saver creates its tables there when the
+            database has none.
+        serde: The serializer for values the codec cannot store exactly (default:
+            :class:`StrictSerializer`, which builds only allow-listed types; register
+            yours with ``StrictSerializer(allow=[...])``). A permissive serializer
+            (LangGraph's ``JsonPlusSerializer``) builds whatever a stored value names.
         create: Create the saver's tables in a database without them (an older schema
-            is never migrated implicitly: run ``onceonly migrate``).
+            is never migrated implicitly: run ``onceonly migrate --langgraph``).
+        keyring: Seal and check rows with this keyring's row keys (attached to
+            ``store``). Default: the store's keys, else ``ONCEONLY_SECRETS``'s.
+        unkeyed: Accept a store without integrity keys (``ONCEONLY_SECRETS`` is then not
+            read; :attr:`integrity_note` says what is not detected).
 
     Raises:
+        ConfigurationError: No integrity keys and not ``unkeyed``; or ``store`` already
+            seals with other keys than ``keyring``'s.
         SchemaVersionError: The saver's tables are older or newer than this code.
     """
 
     def __init__(
-        self, store: Store, *, serde: SerializerProtocol | None = None, create: bool = True
+        self,
+        store: Store,
+        *,
+        serde: SerializerProtocol | None = None,
+        create: bool = True,
+        keyring: Keyring | None = None,
+        unkeyed: bool = False,
     ) -> None:
-        super().__init__(serde=serde)
+        super().__init__(serde=serde or StrictSerializer())
+        if keyring is not None or store.integrity is None:
+            keys = _row_keys(keyring, unkeyed=unkeyed)
+            if keys is not None:
+                store.attach_integrity(keys)
         ensure_schema(store.engine, _schema.COMPONENT, _schema.LANGGRAPH_MIGRATIONS, create=create)
         register(store.codec)
         self.store = store
@@ -202,11 +252,24 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
     def _mark(self) -> None:
         self._worker_ident = threading.get_ident()
 
+    @property
+    def _keys(self) -> RowKeys | None:
+        # The store's, read at each use: a Ledger given the same store later attaches its
+        # keyring's keys there.
+        return self.store.integrity
+
+    @property
+    def integrity_note(self) -> str | None:
+        """What this saver cannot detect (None when it seals and checks its rows)."""
+        return None if self._keys is not None else _schema.UNKEYED_LIMITS
+
     @classmethod
     def from_url(
         cls,
         url: str,
         *,
+        keyring: Keyring | None = None,
+        unkeyed: bool = False,
         serde: SerializerProtocol | None = None,
         keyframes: KeyframePolicy | None = None,
         create: bool = True,
@@ -218,15 +281,22 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
 
         Args:
             url: ``sqlite:///path`` or ``postgresql+psycopg://...``.
+            keyring: The keyring whose row keys seal and check every row (default:
+                ``Keyring.from_env()`` when ``ONCEONLY_SECRETS`` is set).
+            unkeyed: Run without integrity keys (``ONCEONLY_SECRETS`` is then not read):
+                accidental corruption is still detected, deliberate edits are not
+                (:attr:`integrity_note`).
             serde: As in the constructor.
             keyframes: When the store writes a full keyframe instead of a delta.
             create: Create the schema in an empty database.
             busy_timeout_ms: How long a SQLite writer waits for the lock.
 
         Raises:
-            ConfigurationError / DatabaseUnavailable / SchemaVersionError: As
-                :meth:`checkpoint.Store.open`.
+            ConfigurationError: No keyring, ``ONCEONLY_SECRETS`` unset and not
+                ``unkeyed``; or as :meth:`checkpoint.Store.open`.
+            DatabaseUnavailable / SchemaVersionError: As :meth:`checkpoint.Store.open`.
         """
+        keys = _row_keys(keyring, unkeyed=unkeyed)
         # "exit" durability: a put's values wait in memory for the transaction that
         # writes its record, so both commit together (put holds the lock throughout).
         store = Store.open(
@@ -235,14 +305,38 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             keyframes=keyframes,
             create=create,
             busy_timeout_ms=busy_timeout_ms,
+            integrity=keys,
         )
         try:
-            saver = cls(store, serde=serde, create=create)
+            saver = cls(store, serde=serde, create=create, unkeyed=keys is None)
         except BaseException:
             store.close()
             raise
         saver._owns_store = True
         return saver
+
+    def seal_unsealed(self) -> int:
+        """Seal every row written before sealing (or by an unkeyed saver) as it stands:
+        the saver's rows, and the store's runs, checkpoints and waits. An operator's
+        decision to trust the current contents, taken once after checking them (an
+        upgraded database: ``onceonly migrate --langgraph``, then this).
+
+        Returns:
+            How many rows were sealed.
+
+        Raises:
+            ConfigurationError: The saver has no integrity keys.
+            CorruptRecord: An unsealed saver row fails its digest (none was sealed).
+        """
+        keys = self._keys
+        if keys is None:
+            raise ConfigurationError(f"nothing to seal with: {_schema.UNKEYED_LIMITS}")
+
+        def work() -> int:
+            with self._lock:
+                return _schema.seal_unsealed(self.store, keys) + self.store.seal_unsealed()
+
+        return self._call(work)
 
     def close(self) -> None:
         """Stop the saver's worker thread; close the store if this saver opened it
@@ -339,17 +433,17 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         thread_id = str(conf["thread_id"])
         ns = str(conf.get("checkpoint_ns", ""))
         cid = str(conf["checkpoint_id"])
-        rows = []
+        encoded = []
         for i, (channel, value) in enumerate(writes):
             idx = WRITES_IDX_MAP.get(channel, i)
             data = seal(self._codec.encode(pack(value, self.serde)))
-            dg = _write_digest(thread_id, ns, cid, task_id, idx, channel, task_path, data)
-            rows.append((thread_id, ns, cid, task_id, idx, channel, task_path, data, dg))
-        if not rows:
+            encoded.append((str(task_id), idx, str(channel), str(task_path), data))
+        if not encoded:
             return
         replace = all(w[0] in WRITES_IDX_MAP for w in writes)
         sql = self._insert_writes_sql(replace=replace)
         with self._lock:
+            rows = [self._write_row(thread_id, ns, cid, *w) for w in encoded]
             self.store.transact(lambda cur: cur.executemany(sql, rows))
 
     # -- read --------------------------------------------------------------------------
@@ -549,24 +643,22 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             )
             rows = [_Row.of(r) for r in cur.fetchall()]
             cur.execute(
-                "SELECT checkpoint_ns, checkpoint_id, task_id, idx, channel, task_path, value, "
-                f"digest FROM oo_lg_writes WHERE thread_id = {q}",
+                f"SELECT checkpoint_ns, checkpoint_id, {_WRITE_COLS} FROM oo_lg_writes "
+                f"WHERE thread_id = {q}",
                 (src,),
             )
             return rows, cur.fetchall()
 
         with self._lock:
-            rows, writes = self.store.read(read)
+            rows, found = self.store.read(read)
             if not rows:
                 return
-            for w in writes:
-                ns, cid, task_id, idx, channel, path, value, dg = w
-                if bytes(dg) != _write_digest(
-                    src, ns, cid, task_id, idx, channel, path, bytes(value)
-                ):
-                    raise CorruptRecord(
-                        f"a pending write of thread {src!r} checkpoint {cid!r} fails its digest"
-                    )
+            # Nothing unverified is sealed afresh under the target thread.
+            writes = []
+            for ns, cid, *cols in found:
+                self._verified_write(src, str(ns), str(cid), cols)
+                task_id, idx, channel, path, value = cols[:5]
+                writes.append((str(ns), str(cid), str(task_id), int(idx), channel, path, value))
             placed: list[tuple[_Row, str, int]] = []
             for row in rows:
                 self._verify(row)
@@ -589,11 +681,10 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
                         row.lg_run_id,
                         row.record,
                     )
-                copied = []
-                for ns, cid, task_id, idx, channel, path, value, _dg in writes:
-                    data = bytes(value)
-                    dg = _write_digest(dst, ns, cid, task_id, idx, channel, path, data)
-                    copied.append((dst, ns, cid, task_id, idx, channel, path, data, dg))
+                copied = [
+                    self._write_row(dst, ns, cid, task_id, idx, str(channel), str(path), bytes(v))
+                    for ns, cid, task_id, idx, channel, path, v in writes
+                ]
                 if copied:
                     cur.executemany(sql, copied)
 
@@ -747,12 +838,15 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             self._runs.move_to_end(key)
             return run_id
         q = self._q
-        select = f"SELECT run_id FROM oo_lg_threads WHERE thread_id = {q} AND checkpoint_ns = {q}"
+        select = (
+            f"SELECT thread_id, checkpoint_ns, run_id, seal FROM oo_lg_threads WHERE "
+            f"thread_id = {q} AND checkpoint_ns = {q}"
+        )
 
         def lookup(cur: Any) -> str | None:
             cur.execute(select, key)
             found = cur.fetchone()
-            return None if found is None else str(found[0])
+            return None if found is None else self._mapped_run(found)
 
         run_id = self.store.read(lookup)
         if run_id is None:
@@ -765,12 +859,12 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
 
             def claim(cur: Any) -> str:
                 cur.execute(
-                    "INSERT INTO oo_lg_threads (thread_id, checkpoint_ns, run_id, created_at) "
-                    f"VALUES ({q}, {q}, {q}, {q}) ON CONFLICT DO NOTHING",
-                    (thread_id, ns, fresh, time.time()),
+                    "INSERT INTO oo_lg_threads (thread_id, checkpoint_ns, run_id, created_at, "
+                    f"seal) VALUES ({q}, {q}, {q}, {q}, {q}) ON CONFLICT DO NOTHING",
+                    (thread_id, ns, fresh, time.time(), self._thread_seal(thread_id, ns, fresh)),
                 )
                 cur.execute(select, key)
-                winner = str(cur.fetchone()[0])
+                winner = self._mapped_run(cur.fetchone())
                 if winner != fresh:  # another saver created the namespace first
                     _schema.drop_store_runs(cur, self.store.dialect, q, [fresh])
                 return winner
@@ -780,6 +874,24 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         while len(self._runs) > _RUN_CACHE:
             self._runs.popitem(last=False)
         return run_id
+
+    def _thread_seal(self, thread_id: str, ns: str, run_id: str) -> bytes | None:
+        return _schema.make_seal(
+            self._keys, _schema.THREADS, _schema.thread_parts(thread_id, ns, run_id)
+        )
+
+    def _mapped_run(self, found: Sequence[Any]) -> str:
+        """The store run of a thread row (thread, namespace, run, seal), its seal checked."""
+        thread_id, ns, run_id, sealed = found
+        _schema.check(
+            self._keys,
+            _schema.THREADS,
+            _schema.thread_parts(thread_id, ns, run_id),
+            None if sealed is None else bytes(sealed),
+            what=f"the store run of LangGraph thread {thread_id!r} (namespace {ns!r})",
+            run_id=str(run_id),
+        )
+        return str(run_id)
 
     def _forget(self, match: Any) -> None:
         for key in [k for k in self._runs if match(k)]:
@@ -806,27 +918,30 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         record: bytes,
     ) -> None:
         q = self._q
-        dg = _row_digest(thread_id, ns, cid, parent, run_id, seq, lg_run, record)
+        parts = _schema.checkpoint_parts(thread_id, ns, cid, parent, run_id, seq, lg_run, record)
+        dg = _schema.checkpoint_digest(parts)
+        sealed = _schema.make_seal(self._keys, _schema.CHECKPOINTS, parts)
         cur.execute(
             f"INSERT INTO oo_lg_checkpoints ({_CK_COLS}, created_at) VALUES "
-            f"({', '.join([q] * 10)}) ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id) "
+            f"({', '.join([q] * 11)}) ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id) "
             "DO UPDATE SET parent_checkpoint_id = excluded.parent_checkpoint_id, "
             "run_id = excluded.run_id, seq = excluded.seq, lg_run_id = excluded.lg_run_id, "
-            "record = excluded.record, digest = excluded.digest, created_at = excluded.created_at",
-            (thread_id, ns, cid, parent, run_id, seq, lg_run, record, dg, time.time()),
+            "record = excluded.record, digest = excluded.digest, seal = excluded.seal, "
+            "created_at = excluded.created_at",
+            (thread_id, ns, cid, parent, run_id, seq, lg_run, record, dg, sealed, time.time()),
         )
 
     def _insert_writes_sql(self, *, replace: bool) -> str:
         q = self._q
         action = (
             "DO UPDATE SET channel = excluded.channel, task_path = excluded.task_path, "
-            "value = excluded.value, digest = excluded.digest"
+            "value = excluded.value, digest = excluded.digest, seal = excluded.seal"
             if replace
             else "DO NOTHING"
         )
         return (
             "INSERT INTO oo_lg_writes (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, "
-            f"channel, task_path, value, digest) VALUES ({', '.join([q] * 9)}) "
+            f"channel, task_path, value, digest, seal) VALUES ({', '.join([q] * 10)}) "
             f"ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id, task_id, idx) {action}"
         )
 
@@ -835,7 +950,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         out: builtins.list[Any] = []
         for row in rows:
             cur.execute(
-                "SELECT task_id, idx, channel, task_path, value, digest FROM oo_lg_writes "
+                f"SELECT {_WRITE_COLS} FROM oo_lg_writes "
                 f"WHERE thread_id = {q} AND checkpoint_ns = {q} AND checkpoint_id = {q} "
                 "ORDER BY task_path, task_id, idx",
                 (row.thread_id, row.checkpoint_ns, row.checkpoint_id),
@@ -844,17 +959,20 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         return out
 
     def _verify(self, row: _Row) -> None:
-        calc = _row_digest(
-            row.thread_id,
-            row.checkpoint_ns,
-            row.checkpoint_id,
-            row.parent_checkpoint_id,
-            row.run_id,
-            row.seq,
-            row.lg_run_id,
-            row.record,
+        """Check a checkpoint row's seal (with keys), then its digest; nothing of it is
+        decoded before."""
+        parts = row.parts()
+        _schema.check(
+            self._keys,
+            _schema.CHECKPOINTS,
+            parts,
+            row.seal,
+            what=f"the record of LangGraph checkpoint {row.checkpoint_id!r} (thread "
+            f"{row.thread_id!r}, namespace {row.checkpoint_ns!r})",
+            run_id=row.run_id,
+            seq=row.seq,
         )
-        if calc != row.digest:
+        if _schema.checkpoint_digest(parts) != row.digest:
             raise CorruptRecord(
                 f"the record of LangGraph checkpoint {row.checkpoint_id!r} (thread "
                 f"{row.thread_id!r}, namespace {row.checkpoint_ns!r}) does not match its "
@@ -863,8 +981,60 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
                 seq=row.seq,
             )
 
+    def _verified_write(
+        self, thread_id: str, ns: str, cid: str, found: Sequence[Any], row: _Row | None = None
+    ) -> tuple[str, str, bytes]:
+        """A write row's (task id, channel, stored value), its seal (with keys) and digest
+        checked; nothing of it is decoded."""
+        task_id, idx, channel, path, value, dg, sealed = found
+        parts = _schema.write_parts(thread_id, ns, cid, task_id, idx, channel, path, value)
+        where = f"a pending write of LangGraph checkpoint {cid!r} (thread {thread_id!r})"
+        run_id, seq = (None, None) if row is None else (row.run_id, row.seq)
+        _schema.check(
+            self._keys,
+            _schema.WRITES,
+            parts,
+            None if sealed is None else bytes(sealed),
+            what=where,
+            run_id=run_id,
+            seq=seq,
+        )
+        if _schema.write_digest(parts) != bytes(dg):
+            raise CorruptRecord(f"{where} fails its digest", run_id=run_id, seq=seq)
+        return str(task_id), str(channel), bytes(value)
+
+    def _write_row(
+        self,
+        thread_id: str,
+        ns: str,
+        cid: str,
+        task_id: str,
+        idx: int,
+        channel: str,
+        path: str,
+        data: bytes,
+    ) -> tuple[Any, ...]:
+        """The columns of a write row to insert (digest and seal computed)."""
+        parts = _schema.write_parts(thread_id, ns, cid, task_id, idx, channel, path, data)
+        return (
+            thread_id,
+            ns,
+            cid,
+            task_id,
+            idx,
+            channel,
+            path,
+            data,
+            _schema.write_digest(parts),
+            _schema.make_seal(self._keys, _schema.WRITES, parts),
+        )
+
     def _record(self, row: _Row) -> dict[str, Any]:
         self._verify(row)
+        return self._decode_record(row)
+
+    def _decode_record(self, row: _Row) -> dict[str, Any]:
+        """The record of a row :meth:`_verify` accepted."""
         try:
             rec = unpack(self._codec.decode(unseal(row.record)), self.serde)
         except (KeyError, TypeError, ValueError) as exc:
@@ -892,33 +1062,27 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             ) from exc
 
     def _tuple(self, row: _Row, writes: Iterable[Any]) -> CheckpointTuple:
-        rec = self._record(row)
+        # Every row is checked (seal, then digest) before anything of any is decoded.
+        self._verify(row)
+        checked = [
+            self._verified_write(row.thread_id, row.checkpoint_ns, row.checkpoint_id, w, row)
+            for w in writes
+        ]
+        rec = self._decode_record(row)
         serde = self.serde
         values = {k: unpack(v, serde) for k, v in self._load_state(row).items()}
         checkpoint = cast(Checkpoint, {**rec["c"], "channel_values": values})
         pending = []
-        for task_id, idx, channel, path, value, dg in writes:
-            data = bytes(value)
-            calc = _write_digest(
-                row.thread_id,
-                row.checkpoint_ns,
-                row.checkpoint_id,
-                task_id,
-                idx,
-                channel,
-                path,
-                data,
-            )
-            if calc != bytes(dg):
+        for task_id, channel, data in checked:
+            try:
+                value = unpack(self._codec.decode(unseal(data)), serde)
+            except (KeyError, TypeError, ValueError) as exc:
                 raise CorruptRecord(
-                    f"a pending write of LangGraph checkpoint {row.checkpoint_id!r} fails its "
-                    f"digest",
+                    f"a pending write of LangGraph checkpoint {row.checkpoint_id!r} is unreadable",
                     run_id=row.run_id,
                     seq=row.seq,
-                )
-            pending.append(
-                (str(task_id), str(channel), unpack(self._codec.decode(unseal(data)), serde))
-            )
+                ) from exc
+            pending.append((task_id, channel, value))
         config: RunnableConfig = {
             "configurable": {
                 "thread_id": row.thread_id,
@@ -952,10 +1116,11 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             )
             rows = [_Row.of(r) for r in cur.fetchall()]
             cur.execute(
-                f"SELECT run_id FROM oo_lg_threads WHERE thread_id = {q} AND checkpoint_ns = {q}",
+                "SELECT thread_id, checkpoint_ns, run_id, seal FROM oo_lg_threads WHERE "
+                f"thread_id = {q} AND checkpoint_ns = {q}",
                 (thread_id, ns),
             )
-            return rows, [str(r[0]) for r in cur.fetchall()]
+            return rows, [self._mapped_run(r) for r in cur.fetchall()]
 
         rows, mapped = self.store.read(read)
         keep_rows = keep(rows) if rows else []
@@ -997,9 +1162,9 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
                         row.record,
                     )
                 cur.execute(
-                    f"UPDATE oo_lg_threads SET run_id = {q} WHERE thread_id = {q} AND "
-                    f"checkpoint_ns = {q}",
-                    (new_run, thread_id, ns),
+                    f"UPDATE oo_lg_threads SET run_id = {q}, seal = {q} WHERE thread_id = {q} "
+                    f"AND checkpoint_ns = {q}",
+                    (new_run, self._thread_seal(thread_id, ns, new_run), thread_id, ns),
                 )
             else:
                 cur.execute(

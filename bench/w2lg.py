@@ -86,7 +86,13 @@ def _system(name: str) -> Any:
                         finally:
                             self.calls.append((t0, time.perf_counter() - t0))
 
-                saver = (TimedSaver if timed else OnceOnlySaver).from_url(f"sqlite:///{db}")
+                from ledger import Keyring, Secret
+
+                # Sealed, as a saver with a keyring (ONCEONLY_SECRETS) is.
+                keys = Keyring([Secret("k1", bytes(range(32)))])
+                saver = (TimedSaver if timed else OnceOnlySaver).from_url(
+                    f"sqlite:///{db}", keyring=keys
+                )
                 saver.calls = []
                 return saver, saver.close
             from langgraph.checkpoint.sqlite import SqliteSaver

@@ -5,8 +5,9 @@ The bottom layer of onceonly; it imports nothing from ``ledger``, ``adapters`` o
 """
 
 from ._delta import ChunkedList
+from ._engine import redact, safe_url, scrub
 from ._retry import DatabaseRetry, interrupt_retries, is_transient
-from ._schema import Migration, apply_migrations, pending_sql
+from ._schema import Migration, OnlyOn, apply_migrations, pending_sql
 from .codec import Codec, Opaque
 from .errors import (
     AsyncWriteError,
@@ -70,6 +71,7 @@ __all__ = [
     "Migration",
     "NotFound",
     "OnceOnlyError",
+    "OnlyOn",
     "Opaque",
     "RetentionPolicy",
     "RetentionReport",
@@ -105,5 +107,8 @@ __all__ = [
     "migrate_component",
     "notify_ready",
     "pending_sql",
+    "redact",
+    "safe_url",
+    "scrub",
     "subject_hash",
 ]

@@ -1,15 +1,18 @@
 """Engine set-up per dialect: SQLite pragmas (read back and enforced), write transactions,
-and translation of driver errors into onceonly errors at the boundary."""
+translation of driver errors into onceonly errors at the boundary, and masking of
+database passwords in every message made there (:func:`safe_url`, :func:`redact`)."""
 
 from __future__ import annotations
 
 import contextlib
+import re
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, make_url
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.pool import NullPool
 
 from .errors import (
@@ -23,9 +26,107 @@ from .errors import (
 READ_ONLY = "onceonly_read_only"
 _CONFIGURED = "_onceonly_configured"
 
+_MASK = "***"
+# ``scheme://user:PASSWORD@``: the password runs to the last ``@`` of the token (one with
+# an unescaped ``@`` is masked whole).
+_URL_PASSWORD = re.compile(
+    r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/?#@'\"]*:)(?P<pw>[^\s'\"]*)(?=@)"
+)
+# libpq key/value connection strings and URI query parameters: ``password=...``.
+_CONNINFO_PASSWORD = re.compile(
+    r"(?P<head>\bpassword\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*'|[^\s&'\"]+)", re.IGNORECASE
+)
+
+
+def redact(text: str, *secrets: str | None) -> str:
+    """``text`` with database passwords masked (``***``): the password of every URL in it
+    (``scheme://user:PASSWORD@host``), every ``password=...`` of a libpq connection
+    string, and every occurrence of ``secrets`` (of 4 characters or more; also
+    percent-encoded).
+
+    Apply it to anything that may carry a database URL or a driver's message before it
+    is shown or logged.
+    """
+    out = _URL_PASSWORD.sub(lambda m: m["head"] + _MASK, text)
+    out = _CONNINFO_PASSWORD.sub(lambda m: m["head"] + _MASK, out)
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            out = out.replace(secret, _MASK)
+            quoted = urllib.parse.quote(secret, safe="")
+            if quoted != secret:
+                out = out.replace(quoted, _MASK)
+    return out
+
+
+def _split_userinfo(url: str) -> tuple[str, str | None, str]:
+    """``(before the password, the password, from the @ on)`` of a URL that SQLAlchemy
+    cannot parse (the password None when there is none)."""
+    head, at, tail = url.rpartition("@")
+    if not at:
+        return url, None, ""
+    scheme, sep, userinfo = head.partition("://")
+    if not sep:
+        scheme, userinfo = "", head
+    user, colon, password = userinfo.partition(":")
+    if not colon:
+        return url, None, ""
+    return f"{scheme}{sep}{user}:", password, "@" + tail
+
+
+def url_password(url: str | URL) -> str | None:
+    """The password in a database URL (None when it has none), even one SQLAlchemy
+    cannot parse."""
+    if isinstance(url, URL):
+        return url.password
+    try:
+        return make_url(url).password
+    except (sa_exc.ArgumentError, ValueError, TypeError):
+        return _split_userinfo(url)[1]
+
+
+def safe_url(url: str | URL) -> str:
+    """``url`` with its password masked (``postgresql+psycopg://user:***@host/db``): the
+    form of a database URL for messages and logs. A URL that SQLAlchemy cannot parse is
+    masked from its last ``@`` back to the first ``:`` of its user part."""
+    if isinstance(url, URL):
+        return url.render_as_string(hide_password=True)
+    try:
+        parsed = make_url(url)
+    except (sa_exc.ArgumentError, ValueError, TypeError):
+        before, password, after = _split_userinfo(url)
+        return redact(url) if password is None else before + _MASK + after
+    if parsed.password is None:
+        return redact(url)
+    return parsed.render_as_string(hide_password=True)
+
+
+def scrub(exc: BaseException, *secrets: str | None) -> BaseException:
+    """Mask database passwords (as :func:`redact`) in the messages of ``exc`` and of
+    every exception chained to it (``__cause__``, ``__context__``, a SQLAlchemy
+    error's ``orig``), in place; return ``exc``. For errors chained ``from`` a driver
+    error, so a traceback shows no password either."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        args = tuple(redact(a, *secrets) if isinstance(a, str) else a for a in e.args)
+        if args != e.args:
+            e.args = args
+        orig = getattr(e, "orig", None)
+        todo += [e.__cause__, e.__context__, orig if isinstance(orig, BaseException) else None]
+    return exc
+
 
 def make_engine(url: str, *, busy_timeout_ms: int) -> Engine:
-    """Create an engine for ``url`` with onceonly's settings."""
+    """Create an engine for ``url`` with onceonly's settings.
+
+    Raises:
+        ConfigurationError: The URL is malformed or names a missing driver (its
+            password masked in the message).
+    """
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
     if url.startswith("sqlite") and (
@@ -42,11 +143,12 @@ def make_engine(url: str, *, busy_timeout_ms: int) -> Engine:
     try:
         engine = create_engine(url, **kwargs)
     except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ValueError, ImportError) as exc:
+        password = url_password(url)
         raise ConfigurationError(
-            f"cannot use database URL {url!r}: {exc}. onceonly supports sqlite:///PATH and "
-            f"postgresql+psycopg://... (install the postgres extra: pip install "
-            f"'onceonly[postgres]')"
-        ) from exc
+            f"cannot use database URL {safe_url(url)!r}: {redact(str(exc), password)}. "
+            f"onceonly supports sqlite:///PATH and postgresql+psycopg://... (install the "
+            f"postgres extra: pip install 'onceonly[postgres]')"
+        ) from scrub(exc, password)
     configure(engine, busy_timeout_ms=busy_timeout_ms)
     return engine
 
@@ -181,9 +283,9 @@ def translate(action: str) -> Iterator[None]:
     try:
         yield
     except sa_exc.DBAPIError as exc:
-        raise classify(exc, action) from exc
+        raise classify(exc, action) from scrub(exc)
     except DRIVER_ERRORS as exc:
-        raise classify(exc, action) from exc
+        raise classify(exc, action) from scrub(exc)
 
 
 def is_integrity_error(exc: BaseException) -> bool:
@@ -245,7 +347,9 @@ def classify(exc: BaseException, action: str) -> StoreError:
     :mod:`checkpoint._retry` for the rules the store retries by).
     """
     raw = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
-    orig = " ".join(str(raw).split())  # drivers' messages span lines; ours are one line
+    # Drivers' messages span lines (ours are one line), and libpq's may echo a connection
+    # string: its password is masked.
+    orig = redact(" ".join(str(raw).split()))
     text = orig.lower()
     sqlstate = str(getattr(raw, "sqlstate", None) or "")
     # A failing disk first: its messages may also mention files or connections.
@@ -312,7 +416,7 @@ def lost_commit(exc: BaseException) -> StoreError | None:
     if not (isinstance(err, DatabaseUnavailable) and err.transient):
         return None
     raw = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
-    orig = " ".join(str(raw).split())
+    orig = redact(" ".join(str(raw).split()))
     return DatabaseUnavailable(
         f"the connection to the database was lost while committing a transaction "
         f"({orig}): it may or may not have been written, and it was not run again. Read "

@@ -56,6 +56,7 @@ from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import tenacity
 
+from ._engine import redact
 from .errors import ConfigurationError, StoreError
 
 __all__ = ["DatabaseRetry", "interrupt_retries", "is_transient", "retried", "retryable"]
@@ -232,11 +233,12 @@ def is_transient(exc: BaseException) -> bool:
 
 def describe(exc: BaseException) -> str:
     """A failure in one line for the log: its type and the driver's message (which names
-    the host or socket, never the password; never the statement's parameters)."""
+    the host or socket; a password a driver echoes is masked; never the statement's
+    parameters)."""
     raw: object = exc
     if isinstance(exc, StoreError) and exc.__cause__ is not None:
         raw = getattr(exc.__cause__, "orig", None) or exc.__cause__
-    text = " ".join(str(raw).split())
+    text = redact(" ".join(str(raw).split()))
     return f"{type(exc).__name__} ({text[:200]})"
 
 

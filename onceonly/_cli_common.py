@@ -9,14 +9,16 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from sqlalchemy import make_url
+from sqlalchemy.exc import ArgumentError
 
-from checkpoint import Codec, Store
+from checkpoint import Codec, Store, redact
 from checkpoint.errors import ConfigurationError
 from ledger import EffectRecord, Keyring, Ledger, Secret
 
@@ -34,6 +36,37 @@ actor_option = click.option("--as", "actor", default=None, metavar="ACTOR", help
 def db_url(url: str | None) -> str:
     """The database URL: the option, else ``$ONCEONLY_DATABASE_URL``, else the default."""
     return url or os.environ.get("ONCEONLY_DATABASE_URL") or DEFAULT_URL
+
+
+def known_secrets(argv: Sequence[str]) -> tuple[str, ...]:
+    """What must never be printed: the passwords of the database URLs this command may
+    use (``--url`` / ``--db`` in ``argv``, ``$ONCEONLY_DATABASE_URL``) and the secrets of
+    ``$ONCEONLY_SECRETS`` (every entry's text after its id, and any malformed entry)."""
+    urls = [os.environ.get("ONCEONLY_DATABASE_URL") or ""]
+    for i, arg in enumerate(argv):
+        for flag in ("--url", "--db"):
+            if arg == flag and i + 1 < len(argv):
+                urls.append(argv[i + 1])
+            elif arg.startswith(flag + "="):
+                urls.append(arg[len(flag) + 1 :])
+    out = [pw for u in urls if u and (pw := _password(u))]
+    for item in (os.environ.get("ONCEONLY_SECRETS") or "").split(","):
+        _, sep, value = item.strip().partition(":")
+        out.append(value if sep else item.strip())
+    return tuple(s for s in out if s)
+
+
+def _password(url: str) -> str | None:
+    try:
+        return make_url(url).password
+    except (ArgumentError, ValueError, TypeError):  # redact() masks it by its shape
+        return None
+
+
+def masked(text: str, argv: Sequence[str]) -> str:
+    """``text`` with database passwords and keyring secrets masked (see
+    :func:`checkpoint.redact` and :func:`known_secrets`)."""
+    return redact(text, *known_secrets(argv))
 
 
 def keyring(required: bool) -> Keyring | None:

@@ -14,8 +14,9 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
-from checkpoint import OnceOnlyError, Store, migrate
+from checkpoint import OnceOnlyError, Store, migrate, scrub
 from checkpoint.errors import ConfigurationError
 from ledger import migrate as ledger_migrate
 
@@ -26,6 +27,8 @@ from ._cli_common import (
     emit_json,
     format_duration,
     json_option,
+    known_secrets,
+    masked,
     open_ledger,
     operator,
     progress,
@@ -205,10 +208,19 @@ def worker_cmd(
 
 
 def main() -> None:
-    """Console-script entry point: typed errors become one clear line and exit code 1."""
+    """Console-script entry point: typed errors become one clear line and exit code 1.
+
+    No database password and no keyring secret is printed: messages are masked (the
+    store masks them where they are made; this is the last line of defence), and so is
+    the chain of an unexpected error before its traceback is shown.
+    """
     try:
         cli(standalone_mode=True)
     except OnceOnlyError as exc:
         # soft_wrap: one line, whatever the terminal width (scripts grep these).
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {exc}", markup=True)
+        text = escape(masked(str(exc), sys.argv))
+        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {text}", markup=True)
         sys.exit(1)
+    except Exception as exc:
+        scrub(exc, *known_secrets(sys.argv))
+        raise

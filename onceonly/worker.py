@@ -50,6 +50,7 @@ from checkpoint import (
     StoreError,
     interrupt_retries,
     is_transient,
+    redact,
 )
 from checkpoint.waits import NOTIFY_CHANNEL
 from ledger import LedgerUnavailable
@@ -218,7 +219,7 @@ class Worker:
             "%s: the database is unavailable (%s); trying again in %.1f s (failure %d in a "
             "row); nothing is acted on meanwhile",
             what,
-            _describe(exc),
+            _describe(exc, self.runtime.store.engine.url.password),
             pause,
             self._failures,
         )
@@ -233,7 +234,11 @@ class Worker:
         except StoreError as exc:
             if not exc.transient:
                 raise
-            log.warning("run %s: lease not released (%s); it lapses", run_id, _describe(exc))
+            log.warning(
+                "run %s: lease not released (%s); it lapses",
+                run_id,
+                _describe(exc, rt.store.engine.url.password),
+            )
 
     @contextlib.contextmanager
     def _renewing(self, run_id: str) -> Iterator[threading.Event]:
@@ -280,11 +285,15 @@ class _Listener:
         self._stop = stop
         self._conn: Any = None
         self._failures = 0
-        self._url: str | None = None
+        # The store's connection parameters as keywords, never a URL string with the
+        # password in it (libpq echoes a URL it cannot parse in its error message).
+        self._params: dict[str, Any] | None = None
+        self._password: str | None = None
         if store.dialect == "postgresql":
-            self._url = store.engine.url.set(drivername="postgresql").render_as_string(
-                hide_password=False
-            )
+            _, params = store.engine.dialect.create_connect_args(store.engine.url)
+            params.pop("context", None)  # SQLAlchemy's adapters, not psycopg's
+            self._params = {"connect_timeout": 10, **params}
+            self._password = store.engine.url.password
             self._open()
 
     def close(self) -> None:
@@ -297,9 +306,9 @@ class _Listener:
     def _open(self) -> bool:
         import psycopg  # noqa: PLC0415  (PostgreSQL only)
 
-        assert self._url is not None
+        assert self._params is not None
         try:
-            conn = psycopg.connect(self._url, autocommit=True, connect_timeout=10)
+            conn = psycopg.connect(autocommit=True, **self._params)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             self._failed(exc)
             return False
@@ -322,12 +331,12 @@ class _Listener:
         log.log(
             logging.WARNING if self._failures == 1 else logging.DEBUG,
             "the LISTEN connection failed (%s); polling until it is open again",
-            _describe(exc),
+            _describe(exc, self._password),
         )
 
     def wait(self, poll_s: float) -> None:
         """Sleep until a NOTIFY, stop(), or ``poll_s`` (timers; SQLite)."""
-        if self._url is None:
+        if self._params is None:
             self._stop.wait(poll_s)
             return
         if self._conn is None and not self._open():
@@ -377,8 +386,8 @@ def _log_resume(rt: Runtime, run_id: str) -> None:
     )
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, *secrets: str | None) -> str:
     """A failure in one line for the log: its type and the start of its message (driver
-    messages name the host or socket, never the password)."""
-    text = " ".join(str(exc).split())
+    messages name the host or socket; a password one echoes is masked)."""
+    text = redact(" ".join(str(exc).split()), *secrets)
     return f"{type(exc).__name__}: {text[:200]}"

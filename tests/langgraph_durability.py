@@ -345,7 +345,7 @@ def _worker(argv: Sequence[str]) -> int:
     else:
         from adapters.langgraph_saver import OnceOnlySaver
 
-        onceonly = OnceOnlySaver.from_url(args.db_url)
+        onceonly = OnceOnlySaver.from_url(args.db_url, keyring=keyring())
         inner, close = onceonly, onceonly.close
     saver = HeldSaver(inner) if args.hold else inner
     policy = ToolPolicy(provider_class="B", probe=lookup_probe(args.url))

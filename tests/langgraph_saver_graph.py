@@ -4,7 +4,8 @@
 and records the answer, ``publish`` appends the last item. Each node appends to
 ``trail``, so a node that ran twice shows up twice.
 
-Worker (a fresh process; prints the final state as JSON)::
+Worker (a fresh process; prints the final state as JSON; its keyring from
+``ONCEONLY_SECRETS``)::
 
     python -m tests.langgraph_saver_graph DB_URL THREAD ANSWER
 """

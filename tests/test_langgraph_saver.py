@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from adapters._langgraph_values import SerdeValue, register
 from adapters.langgraph_saver import OnceOnlySaver, copy_threads
 from checkpoint import ConfigurationError, CorruptRecord, Store
 from tests.langgraph_saver_graph import START_INPUT, build, config, summary
+from tests.ledger_support import K1, keyring
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +47,7 @@ def _sql(url: str, stmt: str, **params: Any) -> list[Any]:
 
 
 def test_sync_path_interrupt_resume_and_serde_values(db_url: str) -> None:
-    with OnceOnlySaver.from_url(db_url) as saver:
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
         graph = _first_run(saver, "t1")
         snap = graph.get_state(config("t1"))
         assert snap.next == ("review",)
@@ -65,11 +67,12 @@ def test_sync_path_interrupt_resume_and_serde_values(db_url: str) -> None:
 
 
 def test_resume_from_a_fresh_process(db_url: str) -> None:
-    with OnceOnlySaver.from_url(db_url) as saver:
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
         _first_run(saver, "t-fresh")
     proc = subprocess.run(
         [sys.executable, "-m", "tests.langgraph_saver_graph", db_url, "t-fresh", "ship it"],
         cwd=ROOT,
+        env=dict(os.environ, ONCEONLY_SECRETS=f"{K1.id}:{K1.value.hex()}"),
         capture_output=True,
         text=True,
         timeout=120,
@@ -84,7 +87,7 @@ def test_resume_from_a_fresh_process(db_url: str) -> None:
 
 
 def test_time_travel(db_url: str) -> None:
-    with OnceOnlySaver.from_url(db_url) as saver:
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
         graph = _first_run(saver, "tt")
         graph.invoke(Command(resume="yes"), config("tt"))
         history = list(graph.get_state_history(config("tt")))
@@ -107,7 +110,7 @@ def test_time_travel(db_url: str) -> None:
 
 def test_async_path(db_url: str) -> None:
     async def go() -> dict[str, Any]:
-        with OnceOnlySaver.from_url(db_url) as saver:
+        with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
             graph = build(saver)
             await graph.ainvoke(START_INPUT, config("ta"))
             out = await graph.ainvoke(Command(resume="async"), config("ta"))
@@ -121,7 +124,7 @@ def test_async_path(db_url: str) -> None:
 
 def test_tampered_blob_raises_corrupt_record(db_url: str) -> None:
     big = "x" * 20_000  # encoded beyond the blob threshold: stored as a blob
-    with OnceOnlySaver.from_url(db_url) as saver:
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
         cfg: Any = {"configurable": {"thread_id": "tamper", "checkpoint_ns": ""}}
         cp: Any = {
             "v": 4,
@@ -140,22 +143,34 @@ def test_tampered_blob_raises_corrupt_record(db_url: str) -> None:
         assert tup.pending_writes == [("task-1", "n", 2)]
     # Edit the blob behind the store's back: the next load refuses it.
     _sql(db_url, "UPDATE oo_blobs SET data = :d", d=b'j"tampered"')
-    with OnceOnlySaver.from_url(db_url) as saver, pytest.raises(CorruptRecord) as err:
+    with (
+        OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver,
+        pytest.raises(CorruptRecord) as err,
+    ):
         saver.get_tuple(stored)
     assert err.value.blob is not None
     # An edited checkpoint record or write is refused too.
     _sql(db_url, "DELETE FROM oo_blobs")
     _sql(db_url, "UPDATE oo_lg_writes SET value = :v", v=b"3")
-    with OnceOnlySaver.from_url(db_url) as saver, pytest.raises(CorruptRecord):
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver, pytest.raises(CorruptRecord):
         saver.get_tuple(stored)
     _sql(db_url, "UPDATE oo_lg_checkpoints SET parent_checkpoint_id = 'elsewhere'")
-    with OnceOnlySaver.from_url(db_url) as saver, pytest.raises(CorruptRecord, match="digest"):
+    with (
+        OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver,
+        pytest.raises(CorruptRecord, match="keyed seal"),
+    ):
+        list(saver.list(None))
+    # Without keys, the unkeyed digest still catches an edit that does not recompute it.
+    with (
+        OnceOnlySaver.from_url(db_url, unkeyed=True) as saver,
+        pytest.raises(CorruptRecord, match="digest"),
+    ):
         list(saver.list(None))
 
 
 def test_unchanged_channels_are_not_rewritten(db_url: str) -> None:
     big = "y" * 50_000
-    with OnceOnlySaver.from_url(db_url) as saver:
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
         parent: Any = {"configurable": {"thread_id": "compact", "checkpoint_ns": ""}}
         for i in range(40):
             cp: Any = {
@@ -183,7 +198,7 @@ def test_unchanged_channels_are_not_rewritten(db_url: str) -> None:
 
 
 def test_delete_and_prune_remove_stored_values(db_url: str) -> None:
-    with OnceOnlySaver.from_url(db_url) as saver:
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
         for thread in ("keep", "gone"):
             graph = _first_run(saver, thread)
             graph.invoke(Command(resume="yes"), config(thread))
@@ -216,7 +231,7 @@ def test_copy_threads_from_sqlite_saver(db_url: str, tmp_path: Path) -> None:
             graph.invoke(START_INPUT, config(thread))
         graph.invoke(Command(resume="before"), config("m2"))
         src_history = {t: list(graph.get_state_history(config(t))) for t in ("m1", "m2")}
-        with OnceOnlySaver.from_url(db_url) as target:
+        with OnceOnlySaver.from_url(db_url, keyring=keyring()) as target:
             assert copy_threads(source, target) == sum(len(h) for h in src_history.values())
             moved = build(target)
             for thread, hist in src_history.items():

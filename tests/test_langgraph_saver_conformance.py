@@ -3,9 +3,11 @@
 
 Each capability suite gets a fresh saver on the same database, as the suite intends:
 58 base tests (put, put_writes, get_tuple, list, delete_thread) and 23 for the optional
-capabilities the saver implements (delete_for_runs, copy_thread, prune). Run twice: on
-a store the saver opens itself (``exit`` durability: one transaction per put) and on a
-store the caller passes in (``sync`` durability: values, then the record).
+capabilities the saver implements (delete_for_runs, copy_thread, prune). Run in every
+configuration: on a store the saver opens itself (``exit`` durability: one transaction
+per put) and on a store the caller passes in (``sync`` durability: values, then the
+record), each with integrity keys (every row sealed and checked) and without
+(``unkeyed=True``).
 """
 
 from __future__ import annotations
@@ -19,22 +21,27 @@ from langgraph.checkpoint.conformance.report import CapabilityReport
 
 from adapters.langgraph_saver import OnceOnlySaver
 from checkpoint import Store
+from tests.ledger_support import keyring
 
 OPTIONAL = ("copy_thread", "delete_for_runs", "prune")
 
 
-def _run(url: str, *, own_store: bool) -> CapabilityReport:
-    name = f"onceonly-{'own' if own_store else 'shared'}-{url.split(':', 1)[0]}"
+def _run(url: str, *, own_store: bool, keyed: bool) -> CapabilityReport:
+    name = (
+        f"onceonly-{'own' if own_store else 'shared'}-{'keyed' if keyed else 'unkeyed'}-"
+        f"{url.split(':', 1)[0]}"
+    )
+    keys = keyring() if keyed else None
 
     @checkpointer_test(name=name)
     async def saver() -> AsyncIterator[OnceOnlySaver]:
         if own_store:
-            with OnceOnlySaver.from_url(url) as s:
+            with OnceOnlySaver.from_url(url, keyring=keys, unkeyed=not keyed) as s:
                 yield s
             return
-        store = Store.open(url)
+        store = Store.open(url, integrity=None if keys is None else keys.row_keys())
         try:
-            yield OnceOnlySaver(store)
+            yield OnceOnlySaver(store, unkeyed=not keyed)
         finally:
             store.close()
 
@@ -45,9 +52,10 @@ def _failures(report: CapabilityReport) -> list[str]:
     return [f for r in report.results.values() for f in r.failures]
 
 
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "unkeyed"])
 @pytest.mark.parametrize("own_store", [True, False], ids=["from_url", "shared_store"])
-def test_conformance(db_url: str, *, own_store: bool) -> None:
-    report = _run(db_url, own_store=own_store)
+def test_conformance(db_url: str, *, own_store: bool, keyed: bool) -> None:
+    report = _run(db_url, own_store=own_store, keyed=keyed)
     assert report.passed_all_base(), _failures(report)
     base = sum(
         report.results[c].tests_passed

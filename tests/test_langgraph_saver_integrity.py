@@ -1,0 +1,469 @@
+"""OnceOnlySaver under deliberate edits (issue [8] item 8), on SQLite and PostgreSQL.
+
+Every edit is one an attacker with database access but without the keyring's secret can
+make: write any bytes, recompute the *unkeyed* digests (the algorithm is public), drop a
+seal, write rows through the library without a key. The payload is the one reported: a
+msgpack record that makes LangGraph's permissive decoder call ``os.system`` (here it
+only creates a marker file, whose absence is the oracle). A positive control shows the
+payload is live: read with LangGraph's permissive serializer and no keys, it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import shlex
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ormsgpack
+import pydantic
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage
+from langgraph.checkpoint.serde.jsonplus import EXT_CONSTRUCTOR_SINGLE_ARG, JsonPlusSerializer
+from langgraph.types import Command, Interrupt, Send
+from sqlalchemy import create_engine
+from sqlalchemy.engine import Engine
+
+from adapters import _langgraph_schema as schema
+from adapters._langgraph_values import SerdeValue, register, seal, unseal
+from adapters.langgraph_saver import OnceOnlySaver, StrictSerializer, UnregisteredType
+from adapters.langgraph_saver import migrate as langgraph_migrate
+from checkpoint import (
+    Codec,
+    CodecError,
+    ConfigurationError,
+    CorruptRecord,
+    SchemaVersionError,
+    Store,
+)
+from checkpoint import _delta as delta
+from ledger import Keyring, Ledger
+from tests.dbutil import execute, fetch
+from tests.ledger_support import K1, K2, keyring
+
+THREAD = "t-forged"
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    eng = create_engine(db_url)
+    try:
+        yield eng
+    finally:
+        eng.dispose()
+
+
+def _config(thread: str = THREAD) -> Any:
+    return {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+
+
+def _checkpoint(i: int, values: dict[str, Any]) -> Any:
+    return {
+        "v": 4,
+        "id": f"1f000000-0000-6000-8000-{i:012d}",
+        "ts": "2025-01-01T00:00:00+00:00",
+        "channel_values": values,
+        "channel_versions": {k: str(i + 1) for k in values},
+        "versions_seen": {},
+        "updated_channels": None,
+    }
+
+
+def _put(saver: OnceOnlySaver, thread: str = THREAD, i: int = 1) -> Any:
+    """One checkpoint (a message channel, a plain one) with one pending write."""
+    values = {"messages": [HumanMessage("hello", id="h1")], "n": i}
+    stored = saver.put(_config(thread), _checkpoint(i, values), {"source": "input", "step": i}, {})
+    saver.put_writes(stored, [("n", i + 1)], "task-1")
+    return stored
+
+
+def _evil(marker: Path) -> SerdeValue:
+    """What LangGraph's permissive decoder turns into ``os.system("touch MARKER")``."""
+    call = ormsgpack.packb(["os", "system", f"touch {shlex.quote(str(marker))}"])
+    return SerdeValue("msgpack", ormsgpack.packb(ormsgpack.Ext(EXT_CONSTRUCTOR_SINGLE_ARG, call)))
+
+
+def _codec() -> Codec:
+    codec = Codec()
+    register(codec)
+    return codec
+
+
+def _forge_record(engine: Engine, marker: Path) -> None:
+    """Put the payload into the checkpoint record's metadata and recompute its digest."""
+    ((tid, ns, cid, parent, rid, seq, lg_run, record),) = fetch(
+        engine,
+        "SELECT thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, run_id, seq, "
+        "lg_run_id, record FROM oo_lg_checkpoints WHERE thread_id = :t",
+        t=THREAD,
+    )
+    codec = _codec()
+    rec = codec.decode(unseal(bytes(record)))
+    rec["m"]["note"] = _evil(marker)
+    forged = seal(codec.encode(rec))
+    parts = schema.checkpoint_parts(tid, ns, cid, parent, rid, seq, lg_run, forged)
+    execute(
+        engine,
+        "UPDATE oo_lg_checkpoints SET record = :r, digest = :d WHERE thread_id = :t",
+        r=forged,
+        d=schema.checkpoint_digest(parts),
+        t=THREAD,
+    )
+
+
+def _forge_write(engine: Engine, value: Any, thread: str = THREAD) -> None:
+    """Replace the pending write's value and recompute its digest."""
+    ((tid, ns, cid, task, idx, channel, path),) = fetch(
+        engine,
+        "SELECT thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, task_path "
+        "FROM oo_lg_writes WHERE thread_id = :t",
+        t=thread,
+    )
+    forged = seal(_codec().encode(value))
+    parts = schema.write_parts(tid, ns, cid, task, idx, channel, path, forged)
+    execute(
+        engine,
+        "UPDATE oo_lg_writes SET value = :v, digest = :d WHERE thread_id = :t",
+        v=forged,
+        d=schema.write_digest(parts),
+        t=thread,
+    )
+
+
+def _forge_channel_values(db_url: str, engine: Engine, marker: Path) -> None:
+    """Replace the store checkpoint under the saver's row by a keyframe carrying the
+    payload, written through the library without a key, its digest recomputed for the
+    target row."""
+    ((rid, seq, step, src, ver, at),) = fetch(
+        engine,
+        "SELECT c.run_id, c.seq, c.step, c.source, c.schema_version, c.created_at FROM "
+        "oo_checkpoints c JOIN oo_lg_checkpoints l ON l.run_id = c.run_id AND l.seq = c.seq "
+        "WHERE l.thread_id = :t",
+        t=THREAD,
+    )
+    with Store.open(db_url, codec=_codec()) as scratch:  # no keys
+        other = scratch.create_run("scratch").run_id
+        scratch.save(other, {"messages": [_evil(marker)], "n": 1}, step="x")
+    ((body,),) = fetch(engine, "SELECT body FROM oo_checkpoints WHERE run_id = :r", r=other)
+    raw = delta.unpack(bytes(body))
+    digest = delta.row_digest(rid, seq, 0, seq, ver, step, src, at, raw)
+    execute(
+        engine,
+        "UPDATE oo_checkpoints SET body = :b, digest = :d, kind = 0, keyframe_seq = :s "
+        "WHERE run_id = :r AND seq = :s",
+        b=delta.pack(raw),
+        d=digest,
+        r=rid,
+        s=seq,
+    )
+
+
+def _read_all(saver: OnceOnlySaver) -> None:
+    """Both read paths; each must refuse."""
+    with pytest.raises(CorruptRecord):
+        saver.get_tuple(_config())
+    with pytest.raises(CorruptRecord):
+        list(saver.list(_config()))
+
+
+# -- a forged record, write or channel value runs no code ---------------------------------
+
+
+PERMISSIVE = JsonPlusSerializer(allowed_msgpack_modules=True)
+
+
+@pytest.mark.parametrize(
+    "where", ["record", "write", "channel_values", "record_without_seal"], ids=str
+)
+def test_with_keys_a_forged_row_is_refused_before_it_is_decoded(
+    db_url: str, engine: Engine, tmp_path: Path, where: str
+) -> None:
+    marker = tmp_path / "ran"
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        _put(saver)
+    if where.startswith("record"):
+        _forge_record(engine, marker)
+        if where == "record_without_seal":
+            execute(engine, "UPDATE oo_lg_checkpoints SET seal = NULL")
+    elif where == "write":
+        _forge_write(engine, _evil(marker))
+    else:
+        _forge_channel_values(db_url, engine, marker)
+    # Even a permissive serializer is never reached: the seal is checked first.
+    with OnceOnlySaver.from_url(db_url, keyring=keyring(), serde=PERMISSIVE) as saver:
+        _read_all(saver)
+        with pytest.raises(CorruptRecord, match="seal"):
+            saver.get_tuple(_config())
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["record", "write", "channel_values"], ids=str)
+def test_without_keys_the_strict_serializer_builds_nothing_it_does_not_allow(
+    db_url: str, engine: Engine, tmp_path: Path, where: str
+) -> None:
+    marker = tmp_path / "ran"
+    with OnceOnlySaver.from_url(db_url, unkeyed=True) as saver:
+        _put(saver)
+    if where == "record":
+        _forge_record(engine, marker)
+    elif where == "write":
+        _forge_write(engine, _evil(marker))
+    else:
+        _forge_channel_values(db_url, engine, marker)
+    with OnceOnlySaver.from_url(db_url, unkeyed=True) as saver:
+        _read_all(saver)
+        with pytest.raises(UnregisteredType) as err:
+            saver.get_tuple(_config())
+    assert err.value.type_name == "os.system"
+    assert not marker.exists()
+    # Positive control: the payload is live. LangGraph's permissive serializer, with no
+    # keys to stop the row first, runs it.
+    with OnceOnlySaver.from_url(db_url, unkeyed=True, serde=PERMISSIVE) as saver:
+        saver.get_tuple(_config())
+    assert marker.exists()
+
+
+def test_an_edited_write_is_refused_with_keys_and_read_as_edited_without(
+    db_url: str, engine: Engine
+) -> None:
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        _put(saver, "keyed")
+    with OnceOnlySaver.from_url(db_url, unkeyed=True) as saver:
+        _put(saver, "unkeyed")
+    _forge_write(engine, 99, "keyed")
+    _forge_write(engine, 99, "unkeyed")
+    with (
+        OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver,
+        pytest.raises(CorruptRecord, match=r"pending write .* keyed seal"),
+    ):
+        saver.get_tuple(_config("keyed"))
+    # What unkeyed mode says it cannot detect: a recomputed digest passes.
+    with OnceOnlySaver.from_url(db_url, unkeyed=True) as saver:
+        tup = saver.get_tuple(_config("unkeyed"))
+        assert saver.integrity_note is not None
+        assert "not" in saver.integrity_note
+    assert tup is not None
+    assert tup.pending_writes == [("task-1", "n", 99)]
+
+
+def test_a_moved_row_fails_its_seal(db_url: str, engine: Engine) -> None:
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        _put(saver, "a", 1)
+        _put(saver, "b", 2)
+        # A namespace pointed at another thread's store run (seal kept).
+        (run_b,) = fetch(engine, "SELECT run_id FROM oo_lg_threads WHERE thread_id = 'b'")[0]
+        execute(engine, "UPDATE oo_lg_threads SET run_id = :r WHERE thread_id = 'a'", r=run_b)
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        with pytest.raises(CorruptRecord, match="store run of LangGraph thread 'a'"):
+            _put(saver, "a", 3)
+        assert saver.get_tuple(_config("b")) is not None
+
+
+# -- keys: rotation, the unkeyed mode, sealing older rows -----------------------------------
+
+
+def test_a_row_sealed_under_an_older_key_loads_after_rotation(db_url: str, engine: Engine) -> None:
+    with OnceOnlySaver.from_url(db_url, keyring=keyring(K1)) as saver:
+        _put(saver, "old", 1)
+    with OnceOnlySaver.from_url(db_url, keyring=keyring(K2, K1)) as saver:
+        tup = saver.get_tuple(_config("old"))
+        assert tup is not None
+        assert tup.checkpoint["channel_values"]["n"] == 1
+        assert tup.pending_writes == [("task-1", "n", 2)]
+        _put(saver, "new", 2)
+    for table in ("oo_lg_threads", "oo_lg_checkpoints", "oo_lg_writes"):
+        seals = {
+            str(tid): bytes(s).split(b":")[0]
+            for tid, s in fetch(engine, f"SELECT thread_id, seal FROM {table}")
+        }
+        assert seals == {"old": b"k1", "new": b"k2"}, table
+    # Once the old secret is retired, its rows no longer verify (and are not read).
+    with OnceOnlySaver.from_url(db_url, keyring=keyring(K2)) as saver:
+        assert saver.get_tuple(_config("new")) is not None
+        with pytest.raises(CorruptRecord, match="seal"):
+            saver.get_tuple(_config("old"))
+
+
+def test_the_saver_needs_keys_or_says_it_has_none(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ONCEONLY_SECRETS", raising=False)
+    with pytest.raises(ConfigurationError, match=r"ONCEONLY_SECRETS.*unkeyed=True"):
+        OnceOnlySaver.from_url(db_url)
+    with pytest.raises(ConfigurationError, match="not both"):
+        OnceOnlySaver.from_url(db_url, keyring=keyring(), unkeyed=True)
+    with OnceOnlySaver.from_url(db_url, unkeyed=True) as saver:
+        assert saver.integrity_note == schema.UNKEYED_LIMITS
+        assert "not" in saver.integrity_note
+        assert "recomputes" in saver.integrity_note
+    with Store.open(db_url) as store:
+        with pytest.raises(ConfigurationError, match="unkeyed=True"):
+            OnceOnlySaver(store)
+        # A ledger on the same store gives it its keyring's keys.
+        ledger = Ledger(store, keyring())
+        try:
+            assert OnceOnlySaver(store).integrity_note is None
+        finally:
+            ledger.close()
+    # ONCEONLY_SECRETS is the default keyring.
+    monkeypatch.setenv("ONCEONLY_SECRETS", f"{K1.id}:{K1.value.hex()}")
+    with OnceOnlySaver.from_url(db_url) as saver:
+        assert saver.integrity_note is None
+        _put(saver, "env", 1)
+    with OnceOnlySaver.from_url(db_url, keyring=Keyring([K1])) as saver:
+        assert saver.get_tuple(_config("env")) is not None
+
+
+def test_rows_of_an_unkeyed_saver_are_refused_until_sealed(db_url: str, engine: Engine) -> None:
+    with OnceOnlySaver.from_url(db_url, unkeyed=True) as saver:
+        _put(saver, "before", 1)
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        with pytest.raises(CorruptRecord, match="no seal"):
+            saver.get_tuple(_config("before"))
+        # An unsealed row that fails its digest is not sealed, and then nothing is.
+        execute(engine, "UPDATE oo_lg_writes SET task_path = 'moved'")
+        with pytest.raises(CorruptRecord, match="nothing was sealed"):
+            saver.seal_unsealed()
+        execute(engine, "UPDATE oo_lg_writes SET task_path = ''")
+        assert saver.seal_unsealed() > 3  # saver rows and the store's run and checkpoint
+        tup = saver.get_tuple(_config("before"))
+        assert tup is not None
+        assert tup.pending_writes == [("task-1", "n", 2)]
+        assert saver.seal_unsealed() == 0
+    with (
+        OnceOnlySaver.from_url(db_url, unkeyed=True) as saver,
+        pytest.raises(ConfigurationError, match="nothing to seal with"),
+    ):
+        saver.seal_unsealed()
+
+
+# -- the strict serializer: only allowed types are built ----------------------------------
+
+
+BUILT: list[str] = []
+
+
+@dataclasses.dataclass
+class Order:
+    sku: str
+    qty: int
+
+    def __post_init__(self) -> None:
+        BUILT.append(f"Order({self.sku})")
+
+
+@dataclasses.dataclass
+class Basket:
+    orders: list[Order]
+
+    def __post_init__(self) -> None:
+        BUILT.append("Basket")
+
+
+class Status(enum.Enum):
+    OPEN = "open"
+
+
+class Invoice(pydantic.BaseModel):
+    number: int
+    status: Status
+
+
+def test_langgraph_values_need_no_registration() -> None:
+    serde = StrictSerializer()
+    values: list[Any] = [
+        HumanMessage("hi", id="h"),
+        AIMessage("ok", id="a", tool_calls=[{"name": "f", "args": {"x": 1}, "id": "c1"}]),
+        Send("node", {"k": 1}),
+        Interrupt(value={"question": "publish?"}, id="i1"),
+        Command(resume="yes"),
+        uuid.UUID(int=7),
+        {1, 2},
+        None,
+        b"raw",
+    ]
+    langgraph = JsonPlusSerializer()
+    for value in values:
+        stored = serde.dumps_typed(value)
+        assert stored == langgraph.dumps_typed(value)  # LangGraph's encoding
+        assert serde.loads_typed(stored) == langgraph.loads_typed(stored)  # built alike
+        assert type(serde.loads_typed(stored)) is type(value)
+
+
+def test_an_unregistered_type_is_refused_before_any_constructor_runs() -> None:
+    permissive = JsonPlusSerializer(allowed_msgpack_modules=True)
+    stored = permissive.dumps_typed(Basket([Order("a", 1)]))
+    BUILT.clear()
+    with pytest.raises(UnregisteredType) as err:
+        StrictSerializer().loads_typed(stored)
+    assert err.value.type_name == f"{Order.__module__}.Order, {Basket.__module__}.Basket"
+    assert isinstance(err.value, CorruptRecord)
+    assert "register it" in str(err.value)
+    # The outer type allowed, an inner one not: nothing is built, the outer included.
+    with pytest.raises(UnregisteredType, match="Order"):
+        StrictSerializer(allow=[Basket]).loads_typed(stored)
+    assert BUILT == []
+    # Registered, both are built.
+    both = StrictSerializer(allow=[Basket, Order])
+    built = both.loads_typed(stored)
+    assert BUILT == ["Order(a)", "Basket"]
+    assert built == Basket([Order("a", 1)])
+    # Formats that may construct anything are refused outright.
+    for fmt in ("json", "pickle"):
+        with pytest.raises(UnregisteredType, match=fmt):
+            both.loads_typed((fmt, b"{}"))
+
+
+def test_writing_an_unregistered_type_fails_at_once(db_url: str) -> None:
+    invoice = Invoice(number=7, status=Status.OPEN)
+    # Every type to register is named at once.
+    with pytest.raises(CodecError, match=r"Status, .*Invoice.*allow=\[Status, Invoice\]"):
+        StrictSerializer().dumps_typed(invoice)
+    with pytest.raises(CodecError, match="Status"):
+        StrictSerializer(allow=[Invoice]).dumps_typed(invoice)
+    serde = StrictSerializer(allow=[Invoice, Status])
+    assert serde.loads_typed(serde.dumps_typed(invoice)) == invoice
+    # Through the saver: put refuses, registered types round-trip.
+    with (
+        OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver,
+        pytest.raises(CodecError, match="Invoice"),
+    ):
+        saver.put(_config(), _checkpoint(1, {"inv": invoice}), {"step": 1}, {})
+    with OnceOnlySaver.from_url(db_url, keyring=keyring(), serde=serde) as saver:
+        stored = saver.put(_config(), _checkpoint(1, {"inv": invoice}), {"step": 1}, {})
+        tup = saver.get_tuple(stored)
+    assert tup is not None
+    assert tup.checkpoint["channel_values"]["inv"] == invoice
+
+
+def test_langgraph_strict_mode_extends_the_allow_list() -> None:
+    serde = StrictSerializer()
+    extended = serde.with_msgpack_allowlist([(Order.__module__, "Order")])
+    assert isinstance(extended, StrictSerializer)
+    assert (Order.__module__, "Order") in extended.allowed
+    assert (Order.__module__, "Order") not in serde.allowed
+    assert extended.with_msgpack_allowlist([(Order.__module__, "Order")]) is extended
+    with pytest.raises(ConfigurationError):
+        StrictSerializer(allow=["Order"])  # type: ignore[list-item]
+
+
+def test_a_version_1_database_is_migrated_then_sealed(db_url: str, engine: Engine) -> None:
+    with OnceOnlySaver.from_url(db_url, unkeyed=True) as saver:
+        _put(saver, "v1", 1)
+    # The saver's tables as version 1 had them: no seal column.
+    for table in ("oo_lg_threads", "oo_lg_checkpoints", "oo_lg_writes"):
+        execute(engine, f"ALTER TABLE {table} DROP COLUMN seal")
+    execute(engine, "UPDATE onceonly_schema SET version = 1 WHERE component = 'langgraph'")
+    with pytest.raises(SchemaVersionError, match="migrate"):
+        OnceOnlySaver.from_url(db_url, keyring=keyring())
+    assert "applied 1 migration" in langgraph_migrate(db_url)
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        with pytest.raises(CorruptRecord, match="seal_unsealed"):
+            saver.get_tuple(_config("v1"))
+        saver.seal_unsealed()
+        tup = saver.get_tuple(_config("v1"))
+    assert tup is not None
+    assert tup.checkpoint["channel_values"]["n"] == 1
