@@ -251,12 +251,15 @@ def _check_witness(
         # The ledger's own append-only witness (ONCEONLY_WITNESS): "chain<TAB>seq" lines,
         # "#reset" where an operator accepted a restore. Only sequence numbers.
         seqs: dict[str, int] = {}
-        for line in text.splitlines():
+        for n, line in enumerate(text.splitlines(), 1):
             parts = line.split("\t")
             if parts and parts[0] == "#reset":
                 seqs.clear()
             elif len(parts) == 2 and parts[1].isdigit():
                 seqs[parts[0]] = max(seqs.get(parts[0], 0), int(parts[1]))
+            elif line.strip():
+                yield f"witness {path}: unreadable (line {n} is neither JSON nor a head)"
+                return
         for chain, seq in sorted(seqs.items()):
             head = heads.get(chain)
             if head is None or head[0] < seq:
