@@ -1572,11 +1572,22 @@ class Ledger(QueryMixin):
         event_epoch = int(row["epoch"]) if epoch is None else epoch
         head = self._heads.get(chain)
         select = ", ".join([q] * 13)
+        missed: tuple[int, bytes] | None = None  # a head read from the store that missed
         for _ in range(64):
+            fresh = head is None
             if head is None:
                 head = head_of(cur, q, self._keys, chain)
                 if head is None:
                     head = (0, GENESIS)
+                if head == missed:
+                    # Read again, the head has not moved, yet the event it names is not
+                    # the chain's last: not a concurrent appender, a deleted event.
+                    raise CorruptRecord(
+                        f"audit chain {chain!r}: its sealed head (event {head[0]}) is not "
+                        f"its last event (events deleted or added behind the ledger's "
+                        f"back); nothing is acted on. Run `onceonly audit verify`",
+                        run_id=None if chain.startswith("tenant:") else chain,
+                    )
             seq = head[0] + 1
             h = event_hash(
                 head[1],
@@ -1627,7 +1638,9 @@ class Ledger(QueryMixin):
                 if known is not None and known[0] == head[0]:
                     self._verified[chain] = (seq, known[1])
                 return
-            head = None  # stale head or a concurrent appender: re-read and retry
+            # A stale cached head or a concurrent appender: re-read and retry.
+            missed = head if fresh else None
+            head = None
         raise StoreError(f"could not append to audit chain {chain!r}: its head kept moving")
 
     def _advance_head(

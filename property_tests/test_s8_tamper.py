@@ -385,3 +385,412 @@ def test_control_a_verify_without_its_blob_check_is_caught(
     caught = not out.detected and not out.verify_found
     report.control(caught)
     assert caught, out
+
+
+# -- directed edits (the tamper issue, item by item) on the path that acts -----------------
+#
+# Each case is an edit an attacker with database access but without the keyring's secret
+# makes to a live store, varied by seed (which effects, how many, how far back). A case
+# is detected only if the provider received exactly what it had before the edit, the
+# path that acts raised a typed error, and ``verify`` (or the saver's read) names it.
+
+DIRECTED_VARIANTS = scaled(ci=2, deep=20)
+
+
+@dataclass
+class Directed:
+    """What one directed edit came to."""
+
+    name: str
+    expected: int = 0
+    sent: int = 0
+    refused: bool = False
+    verify_found: bool = False
+    unexplained: list[str] = field(default_factory=list)
+
+    @property
+    def detected(self) -> bool:
+        return (
+            self.sent == self.expected
+            and self.refused
+            and self.verify_found
+            and not self.unexplained
+        )
+
+
+def _refused(out: Directed, act: Callable[[], object]) -> None:
+    """Run one acting call; a typed refusal counts, anything untyped is unexplained."""
+    try:
+        act()
+    except OnceOnlyError:
+        out.refused = True
+    except Exception as exc:  # noqa: BLE001  (reported: must be typed)
+        out.unexplained.append(f"{type(exc).__name__}: {exc}")
+
+
+def _found(out: Directed, led: Ledger, needle: str = "", **kwargs: Any) -> None:
+    report = led.verify(**kwargs)
+    out.verify_found = not report.ok and any(needle in p for p in report.problems)
+
+
+def _d_forged_approval(w: Any, rng: random.Random, variant: int) -> Directed:
+    from tests.test_tamper_acting import _work
+
+    decided = "rejected" if variant % 2 else None
+    out = Directed(f"forged approval (over {decided or 'an open wait'})")
+    rid = w.waiting_run()
+    if decided:
+        w.operator.reject(rid, "cfo", actor="bob", reason="no")
+        w.runtime().drive(rid)
+    execute(
+        w.store.engine,
+        "UPDATE oo_waits SET status = 'approved', decided_by = :who, decided_at = 1 "
+        "WHERE run_id = :r",
+        who=rng.choice(["cfo", "ceo", "bob"]),
+        r=rid,
+    )
+    execute(w.store.engine, "UPDATE oo_runs SET status = 'running' WHERE run_id = :r", r=rid)
+    _work(w)
+    _refused(out, lambda: w.runtime().drive(rid))
+    out.sent = len(w.provider.sent)
+    _found(out, w.ledger, "wait 'cfo'")
+    return out
+
+
+def _d_subject_swap(w: Any, rng: random.Random, variant: int) -> Directed:
+    out = Directed("subject swapped under its approval")
+    rid = w.waiting_run()
+    execute(
+        w.store.engine,
+        "UPDATE oo_waits SET subject = :s WHERE run_id = :r",
+        s=w.store.codec.encode({"amount": rng.randrange(1, 899)}),
+        r=rid,
+    )
+    _refused(out, lambda: w.operator.approve(rid, "cfo", actor="bob", subject_hash="0" * 64))
+    _refused(out, lambda: w.runtime().drive(rid))
+    out.sent = len(w.provider.sent)
+    _found(out, w.ledger, "wait 'cfo'")
+    return out
+
+
+def _d_run_flipped(w: Any, rng: random.Random, variant: int) -> Directed:
+    from tests.test_tamper_acting import _work
+
+    out = Directed("finished run flipped back to running", expected=1)
+    rid = w.waiting_run()
+    [wait] = [x for x in w.operator.show(rid).waits if x.name == "cfo"]
+    w.operator.approve(rid, "cfo", actor="bob", subject_hash=wait.subject_hash)
+    w.runtime().drive(rid)
+    execute(
+        w.store.engine,
+        "UPDATE oo_runs SET status = :s, next_step = 'pay' WHERE run_id = :r",
+        s=rng.choice(["running", "waiting"]),
+        r=rid,
+    )
+    _work(w)
+    _refused(out, lambda: w.runtime().drive(rid))
+    out.sent = len(w.provider.sent)
+    _found(out, w.ledger, f"run {rid!r}")
+    return out
+
+
+def _d_checkpoint_digest(w: Any, rng: random.Random, variant: int) -> Directed:
+    from checkpoint import _delta as delta
+    from tests.dbutil import fetch as fetch_rows
+
+    out = Directed("checkpoint body edited, its unkeyed digest recomputed")
+    rt = w.runtime()
+    amount = rng.randrange(100, 999)
+    rid = rt.start("payment", {"amount": amount}, started_by="alice")
+    [(seq, kind, kf, ver, step, src, at, body)] = fetch_rows(
+        w.store.engine,
+        "SELECT seq, kind, keyframe_seq, schema_version, step, source, created_at, body "
+        "FROM oo_checkpoints WHERE run_id = :r",
+        r=rid,
+    )
+    raw = delta.unpack(bytes(body))
+    forged = raw.replace(str(amount).encode(), b"1")
+    execute(
+        w.store.engine,
+        "UPDATE oo_checkpoints SET body = :b, digest = :d WHERE run_id = :r",
+        b=delta.pack(forged),
+        d=delta.row_digest(rid, seq, kind, kf, ver, step, src, at, forged),
+        r=rid,
+    )
+    _refused(out, lambda: w.runtime().drive(rid))
+    out.sent = len(w.provider.sent)
+    _found(out, w.ledger, "seal")
+    return out
+
+
+def _d_cut_back(w: Any, rng: random.Random, variant: int) -> Directed:
+    from onceonly.flow import Flow
+    from onceonly.runtime import Runtime
+
+    flow = Flow("steps")
+
+    @flow.step(start=True)
+    def one(ctx: Any) -> Any:
+        ctx.state["n"] = ctx.state.get("n", 0) + 1
+        return ctx.next("two") if ctx.state["n"] < 4 else ctx.end()
+
+    @flow.step
+    def two(ctx: Any) -> Any:
+        return ctx.next("one")
+
+    led = w.ledgers.fresh(owner="w3")
+    rid = Runtime(led.store, led, [flow], owner="w3").start("steps", {})
+    Runtime(led.store, led, [flow], owner="w3").drive(rid)
+    cut = 1 + variant % 3
+    out = Directed(f"history cut back by {cut} and the head moved")
+    [(head,)] = fetch(w.store.engine, "SELECT head_seq FROM oo_runs WHERE run_id = :r", r=rid)
+    execute(
+        w.store.engine,
+        "DELETE FROM oo_checkpoints WHERE run_id = :r AND seq > :h",
+        r=rid,
+        h=head - cut,
+    )
+    execute(
+        w.store.engine,
+        "UPDATE oo_runs SET head_seq = :h, status = 'running' WHERE run_id = :r",
+        r=rid,
+        h=head - cut,
+    )
+    fresh = w.ledgers.fresh(owner="w4")
+    _refused(out, lambda: Runtime(fresh.store, fresh, [flow], owner="w4").drive(rid))
+    _found(out, w.ledger, f"run {rid!r}")
+    return out
+
+
+def _effects(w: Any, led: Ledger, chain: str, ns: range) -> list[Any]:
+    def one(n: int) -> Any:
+        identity = EffectIdentity("t", chain, "s", 0, f"send{n}@1", 0)
+        return led.perform(
+            identity, {"n": n}, lambda c: w.provider.sent.append((chain, n, c.provider_key))
+        )
+
+    return [one(n) for n in ns]
+
+
+def _d_deleted(w: Any, rng: random.Random, variant: int) -> Directed:
+    n = rng.randrange(3, 7)
+    victims = sorted(rng.sample(range(n), rng.randrange(1, n)))
+    if variant == 0:
+        victims = [n - 1]  # the newest
+    out = Directed(f"effects {victims} of {n} deleted with their events", expected=n)
+    chain = f"run-d{variant}"
+    led = w.ledgers.fresh(owner="w1")
+    _effects(w, led, chain, range(n))
+    keys = {r.effect: r.key_id for r in led.effects(run_id=chain)}
+    for v in victims:
+        execute(w.store.engine, "DELETE FROM oo_audit WHERE key_id = :k", k=keys[f"send{v}@1"])
+        execute(w.store.engine, "DELETE FROM oo_effects WHERE key_id = :k", k=keys[f"send{v}@1"])
+    other = w.ledgers.fresh(owner="w2")  # another process: replays nothing from memory
+    for v in victims:
+        _refused(out, lambda v=v: _effects(w, other, chain, range(v, v + 1)))
+    _refused(out, lambda: _effects(w, other, chain, range(n, n + 1)))
+    out.sent = len(w.provider.sent)
+    out.refused = out.refused and out.sent == n
+    _found(out, w.ledger, f"chain {chain!r}")
+    return out
+
+
+def _d_recomputed(w: Any, rng: random.Random, variant: int) -> Directed:
+    from ledger.audit import event_hash, row_digest
+    from tests.ledger_support import effect_row
+
+    n = rng.randrange(1, 5)
+    pick = rng.randrange(n)
+    chain = f"run-r{variant}"
+    out = Directed(f"effect {pick} of {n} set to not_happened, unkeyed digests redone", expected=n)
+    led = w.ledgers.fresh(owner="w1")
+    _effects(w, led, chain, range(n))
+    [key] = [r.key_id for r in led.effects(run_id=chain) if r.effect == f"send{pick}@1"]
+    e = w.store.engine
+    row = effect_row(e, key)
+    row["status"] = "not_happened"
+    digest = row_digest(row)
+    [(seq, event, epoch, actor, detail, at, prev)] = fetch(
+        e,
+        "SELECT seq, event, epoch, actor, detail, at, prev_hash FROM oo_audit "
+        "WHERE key_id = :k ORDER BY seq DESC LIMIT 1",
+        k=key,
+    )
+    h = event_hash(
+        bytes(prev), chain, seq, key, event, epoch, "not_happened", actor, detail, digest, at
+    )
+    execute(e, "UPDATE oo_effects SET status = 'not_happened' WHERE key_id = :k", k=key)
+    execute(
+        e,
+        "UPDATE oo_audit SET status = 'not_happened', row_digest = :d, hash = :h "
+        "WHERE key_id = :k AND seq = :s",
+        d=digest,
+        h=h,
+        k=key,
+        s=seq,
+    )
+    if seq == max(s for (s,) in fetch(e, "SELECT seq FROM oo_audit WHERE chain = :c", c=chain)):
+        execute(e, "UPDATE oo_chain_heads SET hash = :h WHERE chain = :c", h=h, c=chain)
+    other = w.ledgers.fresh(owner="w2")
+    _refused(out, lambda: _effects(w, other, chain, range(pick, pick + 1)))
+    out.sent = len(w.provider.sent)
+    # operator reads flag it too (item 7)
+    if other.get(key).integrity != "edited":
+        out.unexplained.append(f"Ledger.get served the edited row as {other.get(key).integrity}")
+    _found(out, w.ledger, key)
+    return out
+
+
+_LEDGER_TABLES = ("oo_effects", "oo_audit", "oo_chain_heads", "oo_data_keys")
+
+
+def _d_rollback(w: Any, rng: random.Random, variant: int) -> Directed:
+    before = rng.randrange(1, 4)
+    after = rng.randrange(1, 3)
+    chain = f"run-b{variant}"
+    path = str(w.tmp / f"witness-{variant}")
+    out = Directed(
+        f"whole ledger restored {after} effect(s) back, witness kept", expected=before + after
+    )
+    led = w.ledgers.fresh(owner="w1", witness=path)
+    _effects(w, led, chain, range(before))
+    e = w.store.engine
+    for t in _LEDGER_TABLES:
+        execute(e, f"DROP TABLE IF EXISTS snap_{t}")
+        execute(e, f"CREATE TABLE snap_{t} AS SELECT * FROM {t}")
+    _effects(w, led, chain, range(before, before + after))
+    for t in _LEDGER_TABLES:
+        execute(e, f"DELETE FROM {t}")
+        execute(e, f"INSERT INTO {t} SELECT * FROM snap_{t}")
+    other = w.ledgers.fresh(owner="w2", witness=path)
+    _refused(out, lambda: _effects(w, other, chain, range(before, before + 1)))
+    out.sent = len(w.provider.sent)
+    _found(out, other, "", witness=path)
+    return out
+
+
+def _d_saver(w: Any, rng: random.Random, variant: int) -> Directed:
+    from adapters.langgraph_saver import OnceOnlySaver
+    from tests.ledger_support import keyring as ring
+    from tests.test_langgraph_saver_integrity import (
+        PERMISSIVE,
+        _config,
+        _evil,
+        _forge_record,
+        _forge_write,
+        _put,
+    )
+
+    where = ("record", "write")[variant % 2]
+    out = Directed(f"LangGraph saver {where} forged with a code-running payload")
+    marker = w.tmp / f"ran-{variant}"
+    with OnceOnlySaver.from_url(w.ledgers.db_url, keyring=ring()) as saver:
+        _put(saver)
+    if where == "record":
+        _forge_record(w.store.engine, marker)
+    else:
+        _forge_write(w.store.engine, _evil(marker))
+    with OnceOnlySaver.from_url(w.ledgers.db_url, keyring=ring(), serde=PERMISSIVE) as saver:
+        _refused(out, lambda: saver.get_tuple(_config()))
+    out.verify_found = out.refused
+    if marker.exists():
+        out.sent = 1  # code ran from stored bytes
+    return out
+
+
+DIRECTED: dict[str, Callable[[Any, random.Random, int], Directed]] = {
+    "forged approval": _d_forged_approval,
+    "subject swap": _d_subject_swap,
+    "run flipped back": _d_run_flipped,
+    "checkpoint digest recomputed": _d_checkpoint_digest,
+    "history cut back": _d_cut_back,
+    "effects deleted with their events": _d_deleted,
+    "effect digests recomputed": _d_recomputed,
+    "store rolled back behind its witness": _d_rollback,
+    "saver row forged": _d_saver,
+}
+
+
+def _directed_world(ledgers: Any, tmp: Path) -> Any:
+    from tests.test_tamper_acting import World
+
+    w = World(ledgers)
+    w.tmp = tmp
+    return w
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DIRECTED), ids=str)
+def test_directed_edits_are_refused_where_they_act(
+    case: str, db_url: str, tmp_path: Path, report: SuiteReport
+) -> None:
+    bad = []
+    for variant in range(DIRECTED_VARIANTS):
+        lg = Ledgers(db_url, Clock(1_800_000_000.0))
+        rng = random.Random(seeds(1)[0] * 31 + variant)
+        try:
+            w = _directed_world(lg, tmp_path / f"v{variant}")
+            w.tmp.mkdir()
+            out = DIRECTED[case](w, rng, variant)
+        finally:
+            lg.close()
+        report.add(
+            scenarios=1,
+            runs=1,
+            effects=max(out.expected, 1),
+            raw_deliveries=out.sent,
+            duplicates=max(out.sent - out.expected, 0),
+            detected=int(out.detected),
+            accepted=int(not out.detected),
+        )
+        if not out.detected:
+            bad.append(out)
+    assert not bad, bad
+
+
+@pytest.mark.slow
+def test_control_a_ledger_that_does_not_check_its_chain_is_caught(
+    tmp_path: Path, report: SuiteReport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ledger as it was before sealed heads: a chain's head is its last event.
+    def last_event(cur: Any, q: str, keys: Any, chain: str) -> tuple[int, bytes] | None:
+        cur.execute(
+            f"SELECT seq, hash FROM oo_audit WHERE chain = {q} ORDER BY seq DESC LIMIT 1",
+            (chain,),
+        )
+        found = cur.fetchone()
+        return None if found is None else (int(found[0]), bytes(found[1]))
+
+    monkeypatch.setattr("ledger.ledger.head_of", last_event)
+    monkeypatch.setattr(Ledger, "_advance_head", lambda self, cur, chain, old, seq, h: None)
+    monkeypatch.setattr(Ledger, "_check_chain", lambda self, cur, chain: None)
+    monkeypatch.setattr(Ledger, "_check_absent", lambda self, cur, chain, ids: None)
+    lg = Ledgers(f"sqlite:///{tmp_path / 'control.db'}", Clock(1_800_000_000.0))
+    try:
+        w = _directed_world(lg, tmp_path)
+        out = _d_deleted(w, random.Random(1), 0)  # the newest effect deleted
+    finally:
+        lg.close()
+    caught = not out.detected and out.sent > out.expected
+    report.control(caught)
+    assert caught, out
+
+
+@pytest.mark.slow
+def test_control_a_store_that_checks_no_seals_is_caught(
+    tmp_path: Path, report: SuiteReport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from checkpoint.waits import Waits
+
+    # a store that checks no seals: neither its waits' nor its run rows'
+    monkeypatch.setattr(Waits, "_checked", lambda self, row: tuple(row[:16]))
+    monkeypatch.setattr("checkpoint.store.check", lambda *args, **kwargs: None)
+    lg = Ledgers(f"sqlite:///{tmp_path / 'control.db'}", Clock(1_800_000_000.0))
+    try:
+        w = _directed_world(lg, tmp_path)
+        out = _d_forged_approval(w, random.Random(1), 0)
+    finally:
+        lg.close()
+    caught = not out.detected and out.sent > out.expected
+    report.control(caught)
+    assert caught, out
