@@ -43,14 +43,14 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from agmi.adapters.base import MemoryAdapter, Record
 from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
-from checkpoint import CorruptRecord, OnceOnlyError, RunStatus, Store, Waits
+from checkpoint import OnceOnlyError, RunStatus, Store, Waits
 from checkpoint import _delta as delta
 from ledger import EffectIdentity, InFlightPolicy, Ledger
 from onceonly.context import StepContext
@@ -152,6 +152,7 @@ class _RowStore(MemoryAdapter):
     supports_replay = True
     supports_metadata = True
     supports_snapshot = True
+    verify_detail: str | None = None
 
     def __init__(self) -> None:
         self.db: _Database | None = None
@@ -281,7 +282,9 @@ class _RowStore(MemoryAdapter):
         return (self._db.dump(), list(self.slots), self._known())
 
     def restore_store(self, token: object) -> None:
-        dump, slots, known = token  # type: ignore[misc]
+        dump, slots, known = cast(
+            "tuple[dict[str, list[dict[str, Any]]], list[Any], object]", token
+        )
         self._close()
         self._db.restore(dump)
         self.slots = list(slots)
@@ -330,9 +333,9 @@ class EffectsSqlite(_RowStore):
 
     name = "onceonly effects (sqlite)"
     table = "oo_effects"
-    identity_cols = ("key_id",)
+    identity_cols: ClassVar[tuple[str, ...]] = ("key_id",)
     owner_col = "run_id"
-    meta_cols = ("tenant", "step_id", "first_sent_at")
+    meta_cols: ClassVar[tuple[str, ...]] = ("tenant", "step_id", "first_sent_at")
     with_witness: ClassVar[bool] = True
 
     def __init__(self) -> None:
@@ -466,10 +469,8 @@ class AuditSqlite(EffectsSqlite):
         return self._chain(f"run-{context}")
 
     def _chain(self, chain: str) -> list[tuple[Any, ...]]:
-        return [
-            (r["chain"], int(r["seq"]))
-            for r in self._db.rows("SELECT chain, seq FROM oo_audit WHERE chain = :c ORDER BY seq", c=chain)
-        ]
+        sql = "SELECT chain, seq FROM oo_audit WHERE chain = :c ORDER BY seq"
+        return [(r["chain"], int(r["seq"])) for r in self._db.rows(sql, c=chain)]
 
     def append_genuine(self) -> None:
         # One event: a claim (its outcome would be a second).
@@ -701,6 +702,3 @@ class WaitsPostgres(WaitsSqlite):
 
     name = "onceonly waits (postgresql)"
     backend = "postgresql"
-
-
-assert CorruptRecord  # re-exported for the test's messages

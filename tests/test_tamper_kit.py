@@ -96,9 +96,7 @@ def _cells(kit: dict[str, dict[str, Any]], store: str, backend: str) -> dict[str
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("store", list(STORES))
-def test_every_edit_is_evaluated(
-    kit: dict[str, dict[str, Any]], store: str, backend: str
-) -> None:
+def test_every_edit_is_evaluated(kit: dict[str, dict[str, Any]], store: str, backend: str) -> None:
     cells = _cells(kit, store, backend)
     assert sorted(cells) == sorted(EDITS)
     verdicts = {a: c["verdict"] for a, c in cells.items()}
