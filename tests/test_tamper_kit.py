@@ -10,6 +10,7 @@ read check is switched off) must be caught accepting edits, so the harness can f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from checkpoint import OnceOnlyError
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["sqlite"] if os.environ.get("ONCEONLY_TEST_NO_PG") == "1" else ["sqlite", "postgresql"]
@@ -133,3 +136,76 @@ def test_the_harness_catches_a_ledger_that_does_not_check_what_it_reads(
     accepted = {a for a, c in cells.items() if c["verdict"] == "ACCEPTED"}
     # An effect flipped to "not happened" is sent again; a witness-less store restores.
     assert {"tamper", "snapshot_rollback"} <= accepted, cells
+
+
+# -- T7 as the library meets it: an older genuine version of the same row ----------------
+# The kit's T7 copies the oldest record over the newest; a row put back to an earlier
+# version of *itself* carries a seal that verifies, which is the harder case.
+
+
+@pytest.fixture
+def pg_env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    if backend == "postgresql":
+        monkeypatch.setenv("ONCEONLY_TEST_PG_URL", request.getfixturevalue("pg_server_url"))
+
+
+@pytest.mark.usefixtures("pg_env")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_effect_put_back_to_its_claimed_version_is_not_sent_again(backend: str) -> None:
+    from tests import agmi_adapters
+
+    adapter: agmi_adapters.EffectsSqlite = getattr(
+        agmi_adapters, "Effects" + CLASS_SUFFIX[backend]
+    )()
+    adapter.setup()
+    try:
+        adapter.seed(3)
+        assert adapter.verify()
+        slot = adapter.slots[-1]
+        older = adapter.versions[slot[0]]
+        assert older["status"] == "claimed"
+        adapter._update(slot, {k: v for k, v in older.items() if k != "key_id"})
+        adapter.reload()
+        sent = len(adapter.provider.sent)
+        assert not adapter.verify()
+        assert adapter.verify_detail is not None
+        assert adapter.verify_detail.startswith("CorruptRecord:"), adapter.verify_detail
+        assert len(adapter.provider.sent) == sent
+    finally:
+        adapter.teardown()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="defect: a decided wait put back to its open version (genuinely sealed) is "
+    "approved and acted on while the run has not yet taken the decision",
+)
+@pytest.mark.usefixtures("pg_env")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rejected_approval_put_back_to_open_is_not_acted_on(backend: str) -> None:
+    from checkpoint import Waits
+    from tests import agmi_adapters
+
+    adapter: agmi_adapters.WaitsSqlite = getattr(agmi_adapters, "Waits" + CLASS_SUFFIX[backend])()
+    adapter.setup()
+    try:
+        adapter.seed(1)
+        [(rid, name, _instance)] = adapter.slots
+        older = adapter._row(adapter.slots[0])
+        assert older is not None
+        assert older["status"] == "open"
+        assert adapter.runtime is not None
+        Waits(adapter.runtime.store).reject(rid, name, actor="bob", reason="no")
+        adapter._update(adapter.slots[0], {k: v for k, v in older.items() if k != "run_id"})
+        adapter.reload()
+        assert adapter.runtime is not None
+        rt = adapter.runtime
+        with contextlib.suppress(OnceOnlyError):
+            wait = Waits(rt.store).get(rid, name)
+            assert wait.subject_hash is not None
+            Waits(rt.store).approve(rid, name, actor="carol", subject_hash=wait.subject_hash)
+        with contextlib.suppress(OnceOnlyError):
+            rt.drive(rid)
+        assert adapter.provider.sent == []
+    finally:
+        adapter.teardown()
