@@ -31,9 +31,10 @@ each ``setup()`` creates a fresh database and ``teardown()`` drops it. T9 copies
 table's rows to memory and puts them back (the same on both backends: a dump and
 restore of the database).
 
-:class:`EffectsSqliteUnchecked` is the positive control: a ledger whose read check is
-switched off (``_check_row`` a no-op) and without a witness must be caught accepting
-edits, or the harness could not fail.
+:class:`EffectsSqliteUnchecked` and :class:`CheckpointsSqliteUnkeyed` are the positive
+controls: a ledger whose read check is switched off (``_check_row`` a no-op) and without a
+witness, and a checkpoint store opened without keys, must be caught accepting edits, or
+the harness could not fail.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ __all__ = [
     "AuditSqlite",
     "CheckpointsPostgres",
     "CheckpointsSqlite",
+    "CheckpointsSqliteUnkeyed",
     "EffectsPostgres",
     "EffectsSqlite",
     "EffectsSqliteUnchecked",
@@ -593,6 +595,16 @@ class CheckpointsSqlite(_RowStore):
         except OnceOnlyError as exc:
             return self._refused(exc)
         return True
+
+
+class CheckpointsSqliteUnkeyed(CheckpointsSqlite):
+    """Positive control: a store opened without integrity keys (what a user who forgets
+    the keyring gets). Its digests are unkeyed, so a recomputed one passes."""
+
+    name = "onceonly checkpoints, no keys (sqlite)"
+
+    def _open(self) -> None:
+        self.store = Store.open(self._db.url)
 
 
 class CheckpointsPostgres(CheckpointsSqlite):

@@ -4,8 +4,9 @@ stores (effects, checkpoints, audit, waits), on SQLite and PostgreSQL.
 Each store's adapter (``tests/agmi_adapters.py``) lets the kit make its nine edits (T1
 content tamper .. T9 snapshot rollback) by raw SQL; its ``verify()`` is the path that acts
 (the audit store: ``Ledger.verify``). The kit runs as its users run it, in a subprocess
-with ``--json``; every cell is read from that file. A positive control (a ledger whose
-read check is switched off) must be caught accepting edits, so the harness can fail.
+with ``--json``; every cell is read from that file. Positive controls (a ledger whose
+read check is switched off, a checkpoint store opened without keys) must be caught
+accepting edits, so the harness can fail.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ EDITS = [
     "metadata_tamper",
     "snapshot_rollback",
 ]
-CONTROL = "EffectsSqliteUnchecked"
+CONTROLS = ("EffectsSqliteUnchecked", "CheckpointsSqliteUnkeyed")
 # The typed refusals a rejection must name (not an incidental crash).
 REFUSALS = ("CorruptRecord", "StoreRolledBack", "WaitNotFound")
 
@@ -79,7 +80,7 @@ def _run_kit(adapter: str, out: Path, pg_url: str | None) -> subprocess.Popen[by
 def kit(request: pytest.FixtureRequest) -> Iterator[dict[str, dict[str, Any]]]:
     """Every adapter's ``--json`` row, by adapter class name (the runs go in parallel)."""
     pg_url = request.getfixturevalue("pg_server_url") if "postgresql" in BACKENDS else None
-    adapters = [s + CLASS_SUFFIX[b] for s in STORES.values() for b in BACKENDS] + [CONTROL]
+    adapters = [s + CLASS_SUFFIX[b] for s in STORES.values() for b in BACKENDS] + list(CONTROLS)
     with tempfile.TemporaryDirectory(prefix="agmi-kit-") as tmp:
         procs = {a: _run_kit(a, Path(tmp) / f"{a}.json", pg_url) for a in adapters}
         results: dict[str, dict[str, Any]] = {}
@@ -132,10 +133,18 @@ def test_the_edit_is_refused_where_it_would_act(
 def test_the_harness_catches_a_ledger_that_does_not_check_what_it_reads(
     kit: dict[str, dict[str, Any]],
 ) -> None:
-    cells = kit[CONTROL]["cells"]
+    cells = kit["EffectsSqliteUnchecked"]["cells"]
     accepted = {a for a, c in cells.items() if c["verdict"] == "ACCEPTED"}
     # An effect flipped to "not happened" is sent again; a witness-less store restores.
     assert {"tamper", "snapshot_rollback"} <= accepted, cells
+
+
+def test_the_harness_catches_a_checkpoint_store_opened_without_keys(
+    kit: dict[str, dict[str, Any]],
+) -> None:
+    cells = kit["CheckpointsSqliteUnkeyed"]["cells"]
+    # A state edited with its unkeyed digest recomputed loads as genuine.
+    assert cells["tamper"]["verdict"] == "ACCEPTED", cells
 
 
 # -- T7 as the library meets it: an older genuine version of the same row ----------------
