@@ -1639,7 +1639,7 @@ class Store:
             run_id=run_id,
             seq=int(last.seq),
             step=last.step,
-            source=Source(last.source),
+            source=_source(last.source, run_id, int(last.seq)),
             schema_version=int(last.schema_version),
             created_at=float(last.created_at),
             keyframe=last.kind == _KEYFRAME,
@@ -1824,7 +1824,7 @@ class Store:
                 run_id=run_id,
                 seq=int(row.seq),
                 step=row.step,
-                source=Source(row.source),
+                source=_source(row.source, run_id, int(row.seq)),
                 schema_version=int(row.schema_version),
                 created_at=float(row.created_at),
                 keyframe=row.kind == _KEYFRAME,
@@ -2343,6 +2343,16 @@ class _Row:
             self.created_at,
             self.digest,
         )
+
+
+def _source(value: str, run_id: str, seq: int) -> Source:
+    """A stored checkpoint's source; a value no writer produces is a damaged row."""
+    try:
+        return Source(value)
+    except ValueError:
+        raise CorruptRecord(
+            f"checkpoint {seq} has an unknown source {value!r} (edited)", run_id=run_id, seq=seq
+        ) from None
 
 
 def _check_nothing_above(run_id: str, head: int | None, top: int | None) -> None:

@@ -584,6 +584,12 @@ class CheckpointsSqlite(_RowStore):
         forged.fields["seq"] = int(template.fields["seq"]) + 1
         return self.mutate_payload(forged)
 
+    @staticmethod
+    def _edited(col: str, value: Any) -> Any:
+        if col == "source":  # a value a writer produces: "an operator wrote this"
+            return "operator" if value != "operator" else "step"
+        return _RowStore._edited(col, value)
+
     def verify(self) -> bool:
         self.verify_detail = None
         assert self.store is not None
