@@ -1590,9 +1590,10 @@ class Store:
             if not found:
                 raise RunNotFound(run_id)
             n = len(_RUN_COLS)
-            rows = [_Row(*r[n:]) for r in found if r[n] is not None]
+            rows = [_Row(*r[n:-1]) for r in found if r[n] is not None]
             head_digest = rows[-1].digest if rows else None
             run = self._checked_run([*found[0][:n], head_digest])
+            _check_nothing_above(run_id, run.head_seq, found[0][-1])
             if run.head_seq is None:
                 return run, None
             if not rows:
@@ -1620,6 +1621,10 @@ class Store:
         sql = self._sql
         with translate("load a checkpoint"), _RawTxn(self, write=False) as cur:
             if seq is None:
+                cur.execute(sql.run_head_top, (run_id, run_id))
+                found = cur.fetchone()
+                if found is not None:
+                    _check_nothing_above(run_id, found[0], found[1])
                 cur.execute(sql.head_rows, (run_id, run_id, run_id, run_id))
             else:
                 cur.execute(sql.seq_rows, (run_id, run_id, seq, seq))
@@ -1689,7 +1694,7 @@ class Store:
             run_id=run_id,
             seq=int(last.seq),
             step=last.step,
-            source=Source(last.source),
+            source=_source(last.source, run_id, int(last.seq)),
             schema_version=int(last.schema_version),
             created_at=float(last.created_at),
             keyframe=last.kind == _KEYFRAME,
@@ -1874,7 +1879,7 @@ class Store:
                 run_id=run_id,
                 seq=int(row.seq),
                 step=row.step,
-                source=Source(row.source),
+                source=_source(row.source, run_id, int(row.seq)),
                 schema_version=int(row.schema_version),
                 created_at=float(row.created_at),
                 keyframe=row.kind == _KEYFRAME,
@@ -2411,6 +2416,36 @@ class _Row:
         )
 
 
+def _source(value: str, run_id: str, seq: int) -> Source:
+    """A stored checkpoint's source; a value no writer produces is a damaged row."""
+    try:
+        return Source(value)
+    except ValueError:
+        raise CorruptRecord(
+            f"checkpoint {seq} has an unknown source {value!r} (edited)", run_id=run_id, seq=seq
+        ) from None
+
+
+def _check_nothing_above(run_id: str, head: int | None, top: int | None) -> None:
+    """Refuse a run whose row is older than its checkpoints: a checkpoint above the
+    head is never written without moving the head to it in the same transaction, so
+    one there means the run row was put back (an older, genuinely sealed version of
+    it: a status, next step and head from before), or the history was cut back.
+
+    Raises:
+        CorruptRecord: A checkpoint of the run sits above its head.
+    """
+    if top is not None and (head is None or int(top) > int(head)):
+        raise CorruptRecord(
+            f"run {run_id!r} has checkpoint {int(top)} above its head "
+            f"{'(none)' if head is None else int(head)}: its row was rolled back to an "
+            f"older version (or its history cut back); it is not acted on. Run "
+            f"`onceonly audit verify`",
+            run_id=run_id,
+            seq=int(top),
+        )
+
+
 def _ckpt_parts(
     run_id: str,
     seq: int,
@@ -2515,13 +2550,17 @@ class _SQL:
             f"AND seq <= {q} ORDER BY seq"
         )
         self.run_head = f"SELECT head_seq FROM oo_runs WHERE run_id = {q}"
+        # The head and the highest checkpoint, in one statement (one snapshot).
+        top = f"(SELECT MAX(m.seq) FROM oo_checkpoints m WHERE m.run_id = {q})"
+        self.run_head_top = f"SELECT head_seq, {top} FROM oo_runs WHERE run_id = {q}"
         # The run row and its head checkpoint's keyframe + deltas, in one statement (one
         # snapshot even under READ COMMITTED); a run without checkpoints gives one row
         # of NULL checkpoint columns.
         rcols = ", ".join(f"r.{c}" for c in _RUN_COLS)
         ccols = ", ".join(f"c.{c.strip()}" for c in _CKPT_COLS.split(","))
         self.run_and_head = (
-            f"SELECT {rcols}, {ccols} FROM oo_runs r LEFT JOIN oo_checkpoints c "
+            f"SELECT {rcols}, {ccols}, (SELECT MAX(m.seq) FROM oo_checkpoints m WHERE "
+            f"m.run_id = r.run_id) FROM oo_runs r LEFT JOIN oo_checkpoints c "
             f"ON c.run_id = r.run_id AND c.seq <= r.head_seq AND c.seq >= "
             f"(SELECT k.keyframe_seq FROM oo_checkpoints k WHERE k.run_id = r.run_id "
             f"AND k.seq = r.head_seq) WHERE r.run_id = {q} ORDER BY c.seq"

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from adapters import current_claim, guard
 from checkpoint import CorruptRecord, RunStatus, Store, Waits, WaitStatus
@@ -215,6 +216,37 @@ def test_a_cut_back_history_is_refused(world: World) -> None:
     with pytest.raises(CorruptRecord):
         fresh.get_run(rid)
     _verify_finds(world, f"run {rid!r}")
+
+
+def test_an_older_genuine_run_row_put_back_is_refused(world: World) -> None:
+    """A run row rolled back alone to an older version of itself (genuinely sealed: a
+    status, next step and head from before) is refused: a checkpoint sits above its head."""
+    rid = world.waiting_run()
+    [wait] = [w for w in world.operator.show(rid).waits if w.name == "cfo"]
+    assert wait.subject_hash is not None
+    world.operator.approve(rid, "cfo", actor="bob", subject_hash=wait.subject_hash)
+    engine = world.store.engine
+    with engine.connect() as conn:
+        older = dict(
+            conn.execute(text("SELECT * FROM oo_runs WHERE run_id = :r"), {"r": rid})
+            .mappings()
+            .one()
+        )
+        conn.rollback()
+    assert world.runtime().drive(rid).status is RunStatus.COMPLETED
+    assert len(world.provider.sent) == 1
+    cols = ", ".join(older)
+    execute(engine, "DELETE FROM oo_runs WHERE run_id = :run_id", run_id=rid)
+    execute(engine, f"INSERT INTO oo_runs ({cols}) VALUES ({', '.join(':' + c for c in older)})",
+            **older)  # fmt: skip
+    fresh = world.ledgers.fresh(owner="w5").store
+    with pytest.raises(CorruptRecord, match="above its head"):
+        fresh.load_run(rid)
+    with pytest.raises(CorruptRecord, match="above its head"):
+        fresh.load(rid)
+    _work(world)
+    assert len(world.provider.sent) == 1
+    _verify_finds(world, "above its head")
 
 
 def test_an_unkeyed_store_says_what_it_cannot_detect(ledgers: Ledgers) -> None:
