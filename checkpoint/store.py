@@ -177,7 +177,13 @@ class Store:
         migrations: Default state migrations applied when loading.
         create: Create the schema when the database has none (an older schema is never
             migrated implicitly; use :func:`migrate`).
-        busy_timeout_ms: How long a SQLite writer waits for the lock.
+        busy_timeout_ms: How long a SQLite writer waits for the lock. SQLite has one write
+            lock per database: a process stopped (SIGSTOP, a debugger, a frozen container)
+            while one of its threads is inside a write transaction blocks every writer of
+            every process until it is resumed or killed; after ``retry``'s budget they get
+            :class:`DatabaseLocked`. The store itself holds the lock only for one
+            transaction's statements, never across a provider call or a sleep. (On
+            PostgreSQL a stopped process holds only its open transaction's row locks.)
         integrity: The keys that seal runs, checkpoints and waits (see
             :mod:`checkpoint.integrity`; a :class:`~ledger.Ledger` attaches its keyring's
             on the store it is given). Without them nothing deliberate is detected:
