@@ -1,4 +1,4 @@
-"""Shared machinery of the reliability suites S1-S10 (see ../shared/RELIABILITY.md).
+"""Shared machinery of the reliability suites S1-S11 (see ../shared/RELIABILITY.md).
 
 * :func:`depth` / :func:`scaled` / :func:`seeds`: the CI tier (fixed seeds, CI sizes) or
   the deep tier (``RELIABILITY_DEPTH=deep``: sizes x20-x100, random seeds that are
@@ -46,7 +46,7 @@ FIELDS = (
 )
 
 
-EXPECTED_SUITES = ("S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8", "S9")
+EXPECTED_SUITES = ("S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8", "S9", "S11")
 """Every suite must write a report; S10 is the positive controls each of them runs."""
 
 
