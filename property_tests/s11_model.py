@@ -11,9 +11,8 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -28,7 +27,6 @@ from checkpoint import (
     Store,
     WaitKind,
     WaitRefused,
-    Waits,
 )
 from checkpoint.failpoints import armed
 from ledger import InFlightPolicy, Keyring, Ledger, Secret
@@ -76,6 +74,8 @@ BETWEEN = (
     "ledger.commit.after",
     AFTER_EFFECTS,
 )
+REFUSALS = ("StepDiverged", "BranchesDiverged", "KeyReuseError")
+"""How a run refuses to go on after a deploy changed a step it is in the middle of."""
 DEPLOYS = (
     "rename_branch",
     "rename_repeated_branch",
@@ -119,7 +119,9 @@ def flow_specs(draw: st.DrawFn) -> FlowSpec:
     for i, kind in enumerate(kinds):
         name = f"{kind[:3]}{i}"
         if kind == "plain":
-            steps.append(StepSpec(name, kind, tuple(what() for _ in range(draw(st.integers(1, 2))))))
+            steps.append(
+                StepSpec(name, kind, tuple(what() for _ in range(draw(st.integers(1, 2)))))
+            )
         elif kind == "explicit":
             steps.append(StepSpec(name, kind, (what(), what())))
         elif kind == "parallel":
@@ -264,7 +266,13 @@ class RuntimeModel(RuleBasedStateMachine):
         for _ in range(3):
             try:
                 with armed(handler) if handler is not None else contextlib.nullcontext():
-                    rt.drive(rm.rid, max_steps=200)
+                    run = rt.drive(rm.rid, max_steps=200)
+                if run.status is RunStatus.FAILED:
+                    error = self.operator.show(rm.rid).meta.get("error") or {}
+                    kind = str(error.get("type"))
+                    self.counts.kinds[f"failed:{kind}"] += 1
+                    if kind in REFUSALS:
+                        self.counts.detected += 1
                 return
             except CheckpointLost:
                 continue  # said once: another writer won the race; look again
@@ -349,6 +357,7 @@ class RuntimeModel(RuleBasedStateMachine):
             self._drive(rm, handler)
         except Crash:
             self.counts.crashes += 1
+            self.counts.kinds[f"crash:{point}"] += 1
         self._restart(rm.mode)
 
     @precondition(lambda self: bool(self.live()))
@@ -378,6 +387,8 @@ class RuntimeModel(RuleBasedStateMachine):
                     self._edit(rm)
 
         self._drive(rm, handler)
+        if done:
+            self.counts.kinds["mid-step:" + ("cancel" if cancel else "edit")] += 1
 
     def _cancel(self, rm: RunModel) -> None:
         # Claims granted before the cancel may finish their effect; nothing claimed after.
@@ -407,14 +418,14 @@ class RuntimeModel(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.live()))
     @rule(data=st.data())
     def approve(self, data: st.DataObject) -> None:
-        self.decide_open(self._pick(data), True)
+        self.decide_open(self._pick(data), approve=True)
 
     @precondition(lambda self: bool(self.live()))
     @rule(data=st.data())
     def reject(self, data: st.DataObject) -> None:
-        self.decide_open(self._pick(data), False)
+        self.decide_open(self._pick(data), approve=False)
 
-    def decide_open(self, rm: RunModel, approve: bool) -> None:
+    def decide_open(self, rm: RunModel, *, approve: bool) -> None:
         for w in self.operator.waits.find(run_id=rm.rid, status="open"):
             if w.kind is not WaitKind.APPROVAL:
                 continue
@@ -500,7 +511,9 @@ class RuntimeModel(RuleBasedStateMachine):
         alive = {m.lineage for m in self.runs.values() if not m.gone}
         for payload, n in Counter(d.payload for d in self.provider.log).items():
             if "|X|" in payload:
-                owners = {self.runs[d.run].lineage for d in self.provider.log if d.payload == payload}
+                owners = {
+                    self.runs[d.run].lineage for d in self.provider.log if d.payload == payload
+                }
                 if not owners & alive:
                     self.retired[payload] = n
 
@@ -558,6 +571,34 @@ class RuntimeModel(RuleBasedStateMachine):
         if new is not None:
             self.install(new)
             self.counts.kinds[f"deploy:{how}"] += 1
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(data=st.data(), how=st.sampled_from(DEPLOYS), point=st.sampled_from(BETWEEN))
+    def crash_then_deploy(self, data: st.DataObject, how: str, point: str) -> None:
+        """A worker dies in the middle of a step; the deploy that follows changes that
+        very step (when it can); the run resumes on the new code."""
+        running = [r for r in self.live() if self._status(r) is RunStatus.RUNNING]
+        if not running:
+            return
+        rm = self.runs[data.draw(st.sampled_from(running))]
+        self.mid_deploy(rm, how, point)
+
+    def mid_deploy(self, rm: RunModel, how: str, point: str, k: int = 1) -> None:
+        self.crash_at(rm, point, k)
+        try:
+            at = self.op_store.get_run(rm.rid).next_step
+        except RunNotFound:
+            return
+        names = [s.name for s in self.spec.steps]
+        new = self.deployed(how, lambda xs: next((i for i in xs if names[i] == at), xs[0]))
+        if new is not None:
+            self.install(new)
+            self.counts.kinds[f"deploy:{how}"] += 1
+        self._drive(rm)
+
+    @rule(how=st.sampled_from(DEPLOYS), data=st.data())
+    def deploy_again(self, how: str, data: st.DataObject) -> None:
+        self.deploy(how, data)
 
     def install(self, new: FlowSpec) -> None:
         self.spec = new
@@ -655,9 +696,7 @@ class RuntimeModel(RuleBasedStateMachine):
     def _possible(self, lineage: str, what: str, visit: int, payload: str) -> list[str]:
         """The delivery is of a step visit some deployed code has, and every approval
         that step sits behind was granted (in every version that has it)."""
-        homes = [
-            (v, i) for v in self.versions for i, s in enumerate(v.steps) if what in s.whats
-        ]
+        homes = [(v, i) for v in self.versions for i, s in enumerate(v.steps) if what in s.whats]
         if not homes:
             return [f"{payload}: no deployed step has {what}"]
         most = max(v.steps[i].times if v.steps[i].kind == "loop" else 1 for v, i in homes)
@@ -721,7 +760,7 @@ class RuntimeModel(RuleBasedStateMachine):
                     continue
                 open_runs.append(rm)
                 self.resolve_parked(rm)
-                self.decide_open(rm, True)
+                self.decide_open(rm, approve=True)
                 self.signal_open(rm)
                 self._drive(rm)
             if not open_runs:
@@ -738,5 +777,3 @@ class RuntimeModel(RuleBasedStateMachine):
                     raise AssertionError(f"run {rid} failed with nothing to fail it: {error}")
         problems = self.violations()
         assert not problems, problems
-
-

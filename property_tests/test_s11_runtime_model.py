@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from checkpoint import RunStatus, Store, Waits
-from ledger import InFlightPolicy, Keyring, Ledger
+from checkpoint import RunNotFound, RunStatus, Store, Waits
+from ledger import Keyring, Ledger
 from onceonly.context import StepContext
 from onceonly.operator import Operator
 from property_tests.reliability import SuiteReport, scaled, seeds
-from property_tests.s1_support import wipe
 from property_tests.s11_flows import AFTER_EFFECTS, FileProvider, FlowSpec, StepSpec, predicted
-from property_tests.s11_model import Counts, RuntimeModel, flow_specs
+from property_tests.s11_model import DEPLOYS, MODES, Counts, RuntimeModel
 from tests.ledger_support import K1
 
 pytestmark = pytest.mark.slow
@@ -108,6 +108,7 @@ def report() -> Iterator[SuiteReport]:
     REPORT.check()
 
 
+@pytest.mark.timeout(scaled(300, 7200))
 def test_the_runtime_behaves_like_its_model(db_url: str, report: SuiteReport) -> None:
     counts = Counts()
     try:
@@ -125,12 +126,52 @@ def test_the_runtime_behaves_like_its_model(db_url: str, report: SuiteReport) ->
         )
     finally:
         _add(counts)
-        print(f"S11 {db_url.split(':')[0]}: {counts}", file=sys.stderr)
+        print(f"S11 {db_url.split(':', maxsplit=1)[0]}: {counts}", file=sys.stderr)
     # The machine must have exercised what it exists for, in every mode.
     for kind in ("mode:sync", "mode:async", "mode:exit", "fork", "gc", "approve"):
         assert counts.kinds[kind] > 0, (kind, dict(counts.kinds))
-    assert counts.crashes > 0 and counts.raw > 0
+    assert counts.crashes > 0
+    assert counts.raw > 0
     assert any(k.startswith("deploy:") for k in counts.kinds), dict(counts.kinds)
+
+
+# -- a deploy in the middle of a step: go on safely or refuse, never resend -----------------
+
+
+@pytest.mark.parametrize("how", DEPLOYS)
+def test_a_deploy_in_the_middle_of_a_step_goes_on_safely_or_refuses(
+    db_url: str, how: str, report: SuiteReport
+) -> None:
+    spec = _spec(
+        StepSpec("pla0", "plain", ("w1", "w2")),
+        StepSpec("par1", "parallel", ("w3", "w4", "w5")),
+        StepSpec("exp2", "explicit", ("w6", "w7")),
+        LAST,
+    )
+    counts = Counts()
+    m = _machine(db_url, counts, spec)()
+    m.setup(spec)
+    outcomes = []
+    try:
+        # the step this kind of deploy changes: a branch's, an effect's, or a whole step's
+        i = 1 if "branch" in how else 0 if "effect" in how or how == "insert_step" else 2
+        crashes = (("ledger.commit.after", 1), ("ledger.commit.after", 3), (AFTER_EFFECTS, 1))
+        for (point, k), mode in zip(crashes, MODES, strict=True):
+            m.install(replace(spec, version=m.spec.version + 1))  # the original code
+            rm = m.begin("acme", mode)
+            rt = m.procs[mode].runtime
+            while m.op_store.get_run(rm.rid).next_step != spec.steps[i].name:
+                rt.drive(rm.rid, max_steps=1)
+            m.mid_deploy(rm, how, point, k)
+            assert not m.violations()
+            outcomes.append("refused" if rm.refused else m._status(rm.rid))
+        m.drain()
+    finally:
+        m.teardown()
+        _add(counts)
+    # every run completed, failed with a refusal, or (its step removed) was refused
+    assert set(outcomes) <= {RunStatus.COMPLETED, RunStatus.FAILED, "refused"}, outcomes
+    print(f"S11 mid-step deploy {how}: {dict(counts.kinds)}", file=sys.stderr)
 
 
 # -- positive controls: each defect class of issue [7], planted back ------------------------
@@ -151,7 +192,7 @@ def _scenario_cancel_mid_step(m: RuntimeModel) -> None:
 def _scenario_loop_approval(m: RuntimeModel) -> None:
     rm = m.begin("acme", "sync")
     m._drive(rm)
-    m.decide_open(rm, True)
+    m.decide_open(rm, approve=True)
     m._drive(rm)
     m._drive(rm)
 
@@ -200,7 +241,7 @@ def _wait_without_visit(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _explicit_without_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ledger.keys import EffectIdentity  # noqa: PLC0415
+    from ledger.keys import EffectIdentity
 
     original = EffectIdentity.parts
 
@@ -213,16 +254,14 @@ def _explicit_without_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _memo_keys_not_positional(monkeypatch: pytest.MonkeyPatch) -> None:
-    import onceonly.context as context  # noqa: PLC0415
-
-    original = context.step
+    from adapters import step as original  # what onceonly.context calls its `step`
 
     def step(run_id: str, step_id: str, *args: Any, **kwargs: Any) -> Any:
         if step_id.endswith(":branches"):
             step_id = re.sub(r"\.p\d+:branches$", ":branches", step_id)
         return original(run_id, step_id, *args, **kwargs)
 
-    monkeypatch.setattr(context, "step", step)
+    monkeypatch.setattr("onceonly.context.step", step)
 
 
 def _branch_sets_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,8 +276,8 @@ def _branch_sets_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _retention_ignores_live_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ledger._rows import SELECT, effect_row  # noqa: PLC0415
-    from ledger.records import EffectStatus  # noqa: PLC0415
+    from ledger._rows import SELECT, effect_row
+    from ledger.records import EffectStatus
 
     def apply_retention(self: Ledger, policy: Any) -> int:
         cutoff = self._clock() - policy.older_than_s
@@ -341,3 +380,92 @@ def test_the_model_catches_a_planted_defect(
     report.control(bool(problems))
     assert problems, f"S11 did not catch: {name}"
     print(f"S11 control {name}: {problems[0]}", file=sys.stderr)
+
+
+# -- SIGKILL: a generated flow in a worker process killed at random times -----------------
+
+
+def _kill_spec(rng: random.Random) -> FlowSpec:
+    steps = [
+        StepSpec("par1", "parallel", ("w3", "w4", "w5")),
+        StepSpec("loo2", "loop", ("w6",), times=rng.randint(2, 3)),
+        StepSpec("exp3", "explicit", ("w7", "w8")),
+    ]
+    rng.shuffle(steps)
+    return FlowSpec((StepSpec("pla0", "plain", ("w1", "w2")), *steps, LAST))
+
+
+def _resolve_from_log(op: Operator, rid: str, log: str) -> None:
+    meta = op.show(rid).meta
+    key_id = (meta.get("waiting") or {}).get("effect")
+    if key_id:
+        happened = any(d.key_id == key_id for d in FileProvider.read(log))
+        op.resolve(str(key_id), happened=happened, evidence="log", actor="ops", result={"ok": 1})
+
+
+@pytest.mark.parametrize("seed", seeds(2, base=20261211))
+def test_a_worker_killed_at_random_times_sends_each_effect_once(
+    db_url: str, tmp_path: Path, seed: int, report: SuiteReport
+) -> None:
+    rng = random.Random(seed)
+    spec = _kill_spec(rng)
+    tenant = rng.choice(["acme", "globex"])
+    rid = f"k{seed}"
+    log = str(tmp_path / "deliveries.jsonl")
+    Store.open(db_url).close()
+    store = Store.open(db_url)
+    led = Ledger(store, Keyring([K1]), owner="ops")
+    op = Operator(store, led)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    kills = incarnations = 0
+    status = None
+    try:
+        while incarnations < KILLS + 12:
+            mode = ("sync", "async", "exit")[incarnations % 3]
+            incarnations += 1
+            args = [db_url, log, spec.to_json(), rid, tenant, mode]
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "property_tests.s11_child", *args],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert proc.stdout is not None
+            ready = proc.stdout.readline().strip()
+            if ready == "ready" and kills < KILLS:
+                time.sleep(rng.uniform(0.0, 0.4))
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    kills += 1
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode in (0, -signal.SIGKILL), (ready, out, proc.returncode)
+            try:
+                status = store.get_run(rid).status
+            except RunNotFound:  # killed before it started the run
+                continue
+            if status is RunStatus.COMPLETED:
+                break
+            if status is RunStatus.WAITING:
+                _resolve_from_log(op, rid, log)
+            assert status not in (RunStatus.FAILED, RunStatus.CANCELLED), op.show(rid).meta
+        assert status is RunStatus.COMPLETED, (status, incarnations)
+        got = [d.payload for d in FileProvider.read(log)]
+        want = predicted(spec, tenant, rid)
+        dups = len(got) - len(set(got))
+        lost = len(want - set(got))
+        report.add(
+            scenarios=1,
+            runs=1,
+            crash_points=kills,
+            effects=len(want),
+            raw_deliveries=len(got),
+            duplicates=dups,
+            lost=lost,
+        )
+        assert dups == 0, sorted(got)
+        assert set(got) == want, (sorted(set(got) - want), sorted(want - set(got)))
+        assert kills >= 1  # at least one kill landed before the run ended
+    finally:
+        led.close()
+        store.close()
