@@ -289,6 +289,11 @@ class RuntimeModel(RuleBasedStateMachine):
     def _pick(self, data: st.DataObject) -> RunModel:
         return self.runs[data.draw(st.sampled_from(self.live()))]
 
+    def _pick_in(self, data: st.DataObject, *statuses: RunStatus) -> RunModel | None:
+        """A run in one of ``statuses`` now (most rules only mean something there)."""
+        some = [r for r in self.live() if self._status(r) in statuses]
+        return self.runs[data.draw(st.sampled_from(some))] if some else None
+
     # -- rules -------------------------------------------------------------------------
     @initialize(
         spec=flow_specs(), tenants=st.lists(st.sampled_from(TENANTS), min_size=3, max_size=3)
@@ -364,8 +369,9 @@ class RuntimeModel(RuleBasedStateMachine):
     @rule(data=st.data(), point=st.sampled_from(BETWEEN), k=st.integers(1, 3), cancel=st.booleans())
     def act_mid_step(self, data: st.DataObject, point: str, k: int, cancel: bool) -> None:
         """An operator cancels or edits the run while one of its steps runs."""
-        rm = self._pick(data)
-        self.mid_step(rm, point, k, cancel)
+        rm = self._pick_in(data, RunStatus.RUNNING)
+        if rm is not None:
+            self.mid_step(rm, point, k, cancel)
 
     def mid_step(self, rm: RunModel, point: str, k: int, cancel: bool) -> None:
         hits = 0
@@ -423,7 +429,9 @@ class RuntimeModel(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.live()))
     @rule(data=st.data())
     def reject(self, data: st.DataObject) -> None:
-        self.decide_open(self._pick(data), approve=False)
+        rm = self._pick_in(data, RunStatus.WAITING)
+        if rm is not None:
+            self.decide_open(rm, approve=False)
 
     def decide_open(self, rm: RunModel, *, approve: bool) -> None:
         for w in self.operator.waits.find(run_id=rm.rid, status="open"):
@@ -463,10 +471,13 @@ class RuntimeModel(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.live()))
     @rule(data=st.data())
     def retry(self, data: st.DataObject) -> None:
-        rm = self._pick(data)
+        rm = self._pick_in(data, RunStatus.FAILED)
+        if rm is None:
+            return
         with contextlib.suppress(RunNotResumable, RunNotFound, ConcurrentWrite):
             self.operator.retry(rm.rid, actor="ops", reason="s11 retry")
             self.counts.kinds["retry"] += 1
+            self._drive(rm)
 
     @precondition(lambda self: bool(self.live()) and len(self.runs) < 8)
     @rule(data=st.data())
@@ -649,8 +660,8 @@ class RuntimeModel(RuleBasedStateMachine):
             steps.insert(i, StepSpec(f"ins{len(self.versions)}", "plain", (fresh,)))
         elif how in ("remove_step", "rename_step"):
             i = where(("plain", "explicit", "parallel"), first=False)
-            if i is None:
-                return None
+            if i is None or (how == "remove_step" and i == len(steps) - 1):
+                return None  # (the last step stays: a wait is never left last)
             if how == "remove_step":
                 del steps[i]
             else:
