@@ -191,6 +191,8 @@ class RuntimeModel(RuleBasedStateMachine):
         self.approved: Counter[tuple[str, str]] = Counter()
         self.rejected: set[str] = set()
         self.gcs = 0
+        self.step_renames: list[int] = []  # versions that renamed a step
+        self.dups: set[str] = set()
         self.rotations = 0
         self.cancel_at: dict[str, tuple[int, frozenset[str]]] = {}
         self.retired: Counter[str] = Counter()
@@ -493,6 +495,12 @@ class RuntimeModel(RuleBasedStateMachine):
         self.fork_at(rm, seq)
 
     def fork_at(self, rm: RunModel, seq: int) -> RunModel | None:
+        if any(v > rm.start_version for v in self.step_renames):
+            # Found defect (see test_found_defect_...): a fork of a run made before a deploy
+            # renamed one of its steps re-sends that step's effects (their keys name the
+            # step). Not generated, so the suite keeps finding anything else.
+            self.counts.kinds["fork-skipped:found-defect-rename"] += 1
+            return None
         self.next_id += 1
         new = f"f{self.next_id}-{rm.tenant}-{rm.mode}"
         try:
@@ -580,7 +588,7 @@ class RuntimeModel(RuleBasedStateMachine):
     def deploy(self, how: str, data: st.DataObject) -> None:
         new = self.deployed(how, lambda xs: data.draw(st.sampled_from(xs)))
         if new is not None:
-            self.install(new)
+            self.install(new, how)
             self.counts.kinds[f"deploy:{how}"] += 1
 
     @precondition(lambda self: bool(self.live()))
@@ -603,7 +611,7 @@ class RuntimeModel(RuleBasedStateMachine):
         names = [s.name for s in self.spec.steps]
         new = self.deployed(how, lambda xs: next((i for i in xs if names[i] == at), xs[0]))
         if new is not None:
-            self.install(new)
+            self.install(new, how)
             self.counts.kinds[f"deploy:{how}"] += 1
         self._drive(rm)
 
@@ -611,7 +619,9 @@ class RuntimeModel(RuleBasedStateMachine):
     def deploy_again(self, how: str, data: st.DataObject) -> None:
         self.deploy(how, data)
 
-    def install(self, new: FlowSpec) -> None:
+    def install(self, new: FlowSpec, how: str = "") -> None:
+        if how == "rename_step":
+            self.step_renames.append(new.version)
         self.spec = new
         self.versions.append(new)
         for mode, proc in self.procs.items():
@@ -677,7 +687,9 @@ class RuntimeModel(RuleBasedStateMachine):
         for payload, n in seen.items():
             if n > 1 + self.retired.get(payload, 0):
                 out.append(f"duplicate: {payload} delivered {n} times")
-                self.counts.duplicates += 1
+                if payload not in self.dups:
+                    self.dups.add(payload)
+                    self.counts.duplicates += 1
         tenants_by_key: dict[str, set[str]] = {}
         for i, d in enumerate(log):
             rm = self.runs.get(d.run)
@@ -746,7 +758,7 @@ class RuntimeModel(RuleBasedStateMachine):
                 assert META in snap.state
             for payload in sorted(want - delivered):
                 out.append(f"lost: run {rm.rid} completed without {payload}")
-                self.counts.lost += 1
+                self.counts.lost += 1  # once: the run is marked done
         return out
 
     @invariant()

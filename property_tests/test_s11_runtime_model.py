@@ -174,6 +174,44 @@ def test_a_deploy_in_the_middle_of_a_step_goes_on_safely_or_refuses(
     print(f"S11 mid-step deploy {how}: {dict(counts.kinds)}", file=sys.stderr)
 
 
+# -- found defect: a fork across a step rename -----------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found defect (S11): a fork made after a deploy renamed a step its origin "
+    "completed re-sends that step's effects; positional keys name the step and the fork "
+    "has no record that the renamed step is the one its origin ran",
+)
+def test_found_defect_a_fork_after_a_step_rename_does_not_resend(db_url: str) -> None:
+    spec = _spec(
+        StepSpec("pla0", "plain", ("w1",)),
+        StepSpec("par1", "parallel", ("w3", "w4", "w5")),
+        LAST,
+    )
+    m = _machine(db_url, Counts(), spec)()
+    m.setup(spec)
+    try:
+        rm = m.begin("acme", "sync")
+        m._drive(rm)
+        assert m._status(rm.rid) is RunStatus.COMPLETED
+        start = next(h.seq for h in m.op_store.history(rm.rid) if h.step == "start")
+        # the deploy renames par1 (same effects, same branches) ...
+        m.install(m.spec.bumped((spec.steps[0], replace(spec.steps[1], name="par1r"), LAST)))
+        # ... and a fork of the completed run from its first checkpoint runs on it (the
+        # machine no longer generates this fork: start_version lets it through here)
+        fork = m.fork_at(replace(rm, start_version=m.spec.version), start)
+        assert fork is not None
+        m._drive(fork)
+        # the fork either refuses or replays its origin's effects: never sends them again
+        assert not m.violations(), m.violations()
+    finally:
+        procs, m.procs = m.procs, {}
+        for proc in procs.values():
+            m._close(proc)
+        m.teardown()
+
+
 # -- positive controls: each defect class of issue [7], planted back ------------------------
 
 PLAIN = StepSpec("pla0", "plain", ("w1", "w2", "w3"))
