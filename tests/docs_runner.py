@@ -119,17 +119,20 @@ def parse_page(path: Path) -> list[Block]:
 # What cannot be the same from one run to the next, replaced on both sides by a placeholder.
 # Everything else is compared exactly (trailing blanks of lines aside).
 _NORMALISE: tuple[tuple[re.Pattern[str], str], ...] = (
-    # bash's report of a child killed by a signal ("Your shell also reports `Killed`")
-    (re.compile(r"^.*line \d+: +\d+ Killed .*\n?", re.MULTILINE), ""),
+    # a shell's report of a child killed by SIGKILL: bash -c says "line 3: 123 Killed
+    # cmd", an interactive shell "Killed"; pages show it or not
+    (re.compile(r"^(?:.*line \d+: +\d+ )?Killed\b.*\n?", re.MULTILINE), ""),
     # ISO dates and times, with or without seconds, fraction and zone
     (
         re.compile(
-            r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?)?(?:Z|[+-]\d{2}:?\d{2})?"
+            r"\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?)?(?:Z|[+-]\d{2}:?\d{2})?"
         ),
         "<time>",
     ),
     # durations measured, not configured: a number with a fraction, in s or ms
     (re.compile(r"\b\d+\.\d+ ?m?s\b"), "<duration>"),
+    # a worker's default name, host:pid
+    (re.compile(r"(?<=worker )[\w.-]+:\w+\b"), "<host:pid>"),
     # ages relative to now, as tables show them
     (re.compile(r"\b\d+[smhd] ago\b"), "<ago>"),
 )
@@ -155,6 +158,11 @@ def normalise(text: str, *, workdir: Path | None = None) -> str:
         text = pattern.sub(placeholder, text)
     lines = [line.rstrip() for line in text.splitlines()]
     lines = [_table_line(line) if _TABLE_ROW.search(line) else line for line in lines]
+    # a table's title, centred over the table
+    lines = [
+        line.strip() if i + 1 < len(lines) and lines[i + 1].startswith(("┏", "┌")) else line
+        for i, line in enumerate(lines)
+    ]
     while lines and not lines[0]:
         lines.pop(0)
     while lines and not lines[-1]:
@@ -165,7 +173,12 @@ def normalise(text: str, *, workdir: Path | None = None) -> str:
 def _compare(expected: str, actual: str, *, loose: bool) -> str | None:
     """``None`` when ``actual`` matches ``expected``, else a diff saying how it does not."""
     if not loose:
-        if expected == actual:
+        # a line "..." on the page stands for any lines (output the page leaves out)
+        parts = [
+            r"(?:[^\n]*\n)*?" if line == "..." else re.escape(line) + r"\n"
+            for line in expected.splitlines()
+        ]
+        if re.fullmatch("".join(parts), actual + "\n"):
             return None
         diff = difflib.unified_diff(
             expected.splitlines(), actual.splitlines(), "page", "actual", lineterm=""
@@ -295,6 +308,7 @@ def run_page(
     *,
     extra_env: dict[str, str] | None = None,
     signatures: Callable[[Block], None] | None = None,
+    on_mismatch: Callable[[Block, str], None] | None = None,
 ) -> PageStats:
     """Run every snippet of ``path`` in ``workdir``; raise :class:`DocError` at the first
     one that fails or prints other than the page shows."""
@@ -316,7 +330,9 @@ def run_page(
                     diff = _compare(
                         normalise(block.code), normalise(output, workdir=workdir), loose=loose
                     )
-                    if diff is not None:
+                    if diff is not None and on_mismatch is not None:
+                        on_mismatch(block, output)
+                    elif diff is not None:
                         raise _fail(ran, f"printed other than {block.where} shows", "\n" + diff)
                     stats.compared += 1
                 last_output, skip_output = None, False
