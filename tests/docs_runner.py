@@ -11,12 +11,17 @@ A page is cut into fenced blocks. In page order:
   ``await`` runs on the session's event loop);
 - an ``sh`` block runs with ``bash`` in the page's working directory, with the venv's
   ``bin`` first on ``PATH``; the environment it ends with (``export``, ``cd``) is the
-  next block's, so a page is one shell session. Without ``$?`` in it the block runs under
-  ``set -e``: every command must succeed. With ``$?`` it handles statuses itself (the
-  page shows them as ``exit status: N`` lines, which are compared like any output);
+  next block's, so a page is one shell session. Its last command must succeed. A block
+  whose output the page does not show runs under ``set -e`` (every command must
+  succeed) unless it reads ``$?``; one whose output the page shows may have a command
+  fail in the middle, as in a reader's shell, since the output (its ``error:`` line) is
+  compared. A page shows a failing last command with ``echo "exit status: $?"``;
 - a ``text`` block separated from the block before it by blank lines only is that block's
   expected output (stdout and stderr, interleaved), compared after :func:`normalise`;
-  after ``<!-- output: loose -->`` only the order of its non-blank lines is checked;
+  a line ``...`` (or ``…``) on the page stands for any lines; after
+  ``<!-- output: loose -->`` hex runs of 16 digits or more are placeholders too (hashes
+  of contents with a time in them), and each non-blank line of the page must appear in
+  the output, in order;
 - other blocks (``text`` elsewhere, ``sql``, ``ini``...) are illustrations.
 
 ``reference.md`` holds signatures, not programs: its ``python`` blocks are checked against
@@ -129,6 +134,8 @@ _NORMALISE: tuple[tuple[re.Pattern[str], str], ...] = (
         ),
         "<time>",
     ),
+    # UNIX times (seconds since 1970, with a fraction), as JSON output has them
+    (re.compile(r"\b1[5-9]\d{8}\.\d+\b"), "<unixtime>"),
     # durations measured, not configured: a number with a fraction, in s or ms
     (re.compile(r"\b\d+\.\d+ ?m?s\b"), "<duration>"),
     # a worker's default name, host:pid
@@ -173,9 +180,9 @@ def normalise(text: str, *, workdir: Path | None = None) -> str:
 def _compare(expected: str, actual: str, *, loose: bool) -> str | None:
     """``None`` when ``actual`` matches ``expected``, else a diff saying how it does not."""
     if not loose:
-        # a line "..." on the page stands for any lines (output the page leaves out)
+        # a line "..." or "…" on the page stands for any lines (output the page leaves out)
         parts = [
-            r"(?:[^\n]*\n)*?" if line == "..." else re.escape(line) + r"\n"
+            r"(?:[^\n]*\n)*?" if line.strip() in ("...", "…") else re.escape(line) + r"\n"
             for line in expected.splitlines()
         ]
         if re.fullmatch("".join(parts), actual + "\n"):
@@ -184,6 +191,8 @@ def _compare(expected: str, actual: str, *, loose: bool) -> str | None:
             expected.splitlines(), actual.splitlines(), "page", "actual", lineterm=""
         )
         return "\n".join(diff)
+    # loose: hashes and digests too (of contents with a time in them) are placeholders
+    expected, actual = (re.sub(r"\b[0-9a-f]{16,}\b", "<hex>", t) for t in (expected, actual))
     got = iter(actual.splitlines())
     for want in (line for line in expected.splitlines() if line.strip()):
         if not any(line == want for line in got):
@@ -270,11 +279,13 @@ def _base_env(cwd: Path) -> dict[str, str]:
 _SHELL_STATE_SKIP = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
 
 
-def run_sh(code: str, *, cwd: Path, env: dict[str, str]) -> tuple[int, str, Path, dict[str, str]]:
-    """Run ``code`` with bash; return its status, output, and the directory and
-    environment it ended with."""
+def run_sh(
+    code: str, *, cwd: Path, env: dict[str, str], every_command: bool
+) -> tuple[int, str, Path, dict[str, str]]:
+    """Run ``code`` with bash (under ``set -e`` if ``every_command`` must succeed); return
+    its status, output, and the directory and environment it ended with."""
     state = Path(tempfile.mkdtemp(prefix="sh-", dir=env.get("TMPDIR")))
-    prologue = "" if "$?" in code else "set -e\n"
+    prologue = "set -e\n" if every_command else ""
     script = (
         f"trap 'env -0 > {state}/env; pwd > {state}/cwd' EXIT\n"
         f"cd {json.dumps(str(cwd))}\n{prologue}{code}"
@@ -302,6 +313,10 @@ def run_sh(code: str, *, cwd: Path, env: dict[str, str]) -> tuple[int, str, Path
     return proc.returncode, proc.stdout, new_cwd, new_env
 
 
+def _shows_output(block: Block) -> bool:
+    return block.lang == "text" and block.follows_block
+
+
 def run_page(
     path: Path,
     workdir: Path,
@@ -320,7 +335,7 @@ def run_page(
     try:
         skip_output = False
         last_output: tuple[Block, str] | None = None
-        for block in blocks:
+        for i, block in enumerate(blocks):
             if block.lang == "text":
                 if block.follows_block and skip_output:
                     stats.skipped += 1
@@ -359,7 +374,11 @@ def run_page(
                 if not ok:
                     raise _fail(block, "raised", f"--- output\n{output}")
             elif block.lang == "sh":
-                status, output, cwd, env = run_sh(block.code, cwd=cwd, env=env)
+                shown = i + 1 < len(blocks) and _shows_output(blocks[i + 1])
+                every = not shown and "$?" not in block.code
+                status, output, cwd, env = run_sh(
+                    block.code, cwd=cwd, env=env, every_command=every
+                )
                 if status != 0:
                     raise _fail(block, f"failed (exit status {status})", f"--- output\n{output}")
             else:
