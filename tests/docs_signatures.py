@@ -130,10 +130,8 @@ def _kinds(args: ast.arguments) -> Iterator[tuple[str, inspect._ParameterKind, a
 
 def _default_matches(doc: ast.expr, actual: Any) -> bool:
     shown = ast.unparse(doc)
-    if shown == _UNCHANGED:
-        return type(actual).__name__.lstrip("_").lower().startswith("unchanged") or (
-            "unchanged" in repr(actual).lower()
-        )
+    if shown == _UNCHANGED:  # a private sentinel: a bare object() or a named one
+        return type(actual) is object or "unchanged" in repr(actual).lower()
     if repr(actual) == "<factory>":  # a dataclass field(default_factory=...)
         try:
             return not ast.literal_eval(doc)  # shown as the empty value it makes
