@@ -96,7 +96,9 @@ def parse_page(path: Path) -> list[Block]:
             j += 1
         if j == len(lines):
             raise DocError(f"{path.name}:{i + 1}: unclosed ``` fence")
-        body = [line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : j]]
+        body = [
+            line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : j]
+        ]
         k = i - 1
         while k >= 0 and not lines[k].strip():
             k -= 1
@@ -376,9 +378,7 @@ def run_page(
             elif block.lang == "sh":
                 shown = i + 1 < len(blocks) and _shows_output(blocks[i + 1])
                 every = not shown and "$?" not in block.code
-                status, output, cwd, env = run_sh(
-                    block.code, cwd=cwd, env=env, every_command=every
-                )
+                status, output, cwd, env = run_sh(block.code, cwd=cwd, env=env, every_command=every)
                 if status != 0:
                     raise _fail(block, f"failed (exit status {status})", f"--- output\n{output}")
             else:

@@ -68,8 +68,10 @@ def _resolve(name: str, modules: tuple[str, ...]) -> Any:
     for mod_name in modules:
         obj: Any = importlib.import_module(mod_name)
         for part in parts:
-            obj = inspect.getattr_static(obj, part, None) if inspect.isclass(obj) else getattr(
-                obj, part, None
+            obj = (
+                inspect.getattr_static(obj, part, None)
+                if inspect.isclass(obj)
+                else getattr(obj, part, None)
             )
             if obj is None:
                 break
@@ -240,10 +242,13 @@ def _check_one(block: Block, code: str, modules: tuple[str, ...]) -> None:
             if kind != param.kind:
                 problems.append(f"{pname}: page {kind.description}, code {param.kind.description}")
             if (default is None) != (param.default is inspect.Parameter.empty):
-                problems.append(
-                    f"{pname}: page {'no default' if default is None else ast.unparse(default)}"
-                    f", code {'no default' if param.default is inspect.Parameter.empty else repr(param.default)}"
+                page = "no default" if default is None else ast.unparse(default)
+                code_default = (
+                    "no default"
+                    if param.default is inspect.Parameter.empty
+                    else repr(param.default)
                 )
+                problems.append(f"{pname}: page {page}, code {code_default}")
             elif default is not None and not _default_matches(default, param.default):
                 problems.append(
                     f"{pname}: page default {ast.unparse(default)}, code {param.default!r}"
