@@ -36,6 +36,7 @@ COLORS = {
 }
 W1_COLORS = {
     "onceonly": "#d62728",
+    "onceonly-witness": "#ff9896",
     "floor": "#7f7f7f",
     "langgraph": "#1f77b4",
     "dbos": "#2ca02c",
@@ -940,6 +941,16 @@ def render(results: dict[str, Any], docs: Path) -> Path:
         ),
         "",
     ]
+    for name, when in sorted(meta.get("earlier", {}).items()):
+        lines += [
+            (
+                f"> {name.upper()} was not measured in this run: its figures are from the run "
+                f"of {str(when.get('started_utc'))[:10]} (git {when.get('git_head')}, "
+                f"{when.get('reps')} repetitions, load average at start "
+                f"{_loadavg(when.get('loadavg_start'))}), kept by `python -m bench --merge`."
+            ),
+            "",
+        ]
     if meta.get("working_tree_sha256_after"):
         lines += [
             (

@@ -498,6 +498,22 @@ def _show(p: Path) -> str:
         return str(p)
 
 
+def merge_earlier(results: dict[str, Any], earlier: dict[str, Any]) -> None:
+    """Keep the workloads this run did not measure from an earlier results file, noting
+    in ``meta["earlier"]`` when, at which commit and how each kept one was measured."""
+    old_meta = earlier.get("meta", {})
+    kept = results["meta"].setdefault("earlier", {})
+    for name in ("w1", "w2", "w3", "w4", "w2lg"):
+        if name in results or name not in earlier:
+            continue
+        results[name] = earlier[name]
+        kept[name] = old_meta.get("earlier", {}).get(name) or {
+            key: old_meta.get(key)
+            for key in ("started_utc", "reps", "samples", "quick", "git_head", "loadavg_start")
+        }
+    results["meta"]["workloads"] = [w for w in ("w1", "w2", "w3", "w4", "w2lg") if w in results]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench",
@@ -530,6 +546,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--render-only", action="store_true", help="re-render the docs from --out, run nothing"
     )
     p.add_argument("--keep-tmp", action="store_true", help="keep the databases under /tmp")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --only: keep the other workloads' results from --out (the docs say when "
+        "and at which commit each was measured)",
+    )
     a = p.parse_args(argv)
 
     from . import report  # matplotlib is only needed once results exist
@@ -623,6 +645,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "[yellow]ledger/ changed in the working tree while the benchmark ran; the "
             f"figures are for the copy taken at the start (sha256 {meta['ledger_src_sha256']})"
         )
+    if a.merge and a.out.exists():
+        merge_earlier(results, json.loads(a.out.read_text(encoding="utf-8")))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = a.out.with_name(a.out.name + ".tmp")
     tmp_out.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")

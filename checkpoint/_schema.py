@@ -60,6 +60,7 @@ def _runs_table(meta: MetaData, *, sealed: bool) -> Table:
         Column("created_at", Float, nullable=False),
         Column("updated_at", Float, nullable=False),
         *([Column("seal", LargeBinary, nullable=True)] if sealed else []),
+        *([Column("waits_digest", LargeBinary, nullable=True)] if sealed else []),
     )
 
 
@@ -286,6 +287,15 @@ CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
             OnlyOn(dialect, _sql(f"ALTER TABLE {table} ADD COLUMN seal {blob}"))
             for dialect, blob in (("sqlite", "BLOB"), ("postgresql", "BYTEA"))
             for table in ("oo_runs", "oo_checkpoints", "oo_waits")
+        ),
+    ),
+    Migration(
+        5,
+        "a run's seal covers the digest of its waits (oo_runs.waits_digest): a wait put "
+        "back to an earlier, genuinely sealed version is refused",
+        tuple(
+            OnlyOn(dialect, _sql(f"ALTER TABLE oo_runs ADD COLUMN waits_digest {blob}"))
+            for dialect, blob in (("sqlite", "BLOB"), ("postgresql", "BYTEA"))
         ),
     ),
 )

@@ -202,6 +202,7 @@ class CorruptRecord(OnceOnlyError):
         run_id: str | None = None,
         seq: int | None = None,
         blob: str | None = None,
+        hint: str | None = None,
     ) -> None:
         self.detail = detail
         self.run_id = run_id
@@ -215,11 +216,13 @@ class CorruptRecord(OnceOnlyError):
         if blob is not None:
             where.append(f"blob {blob}")
         place = ", ".join(where) if where else "a stored record"
-        super().__init__(
-            f"{place}: {detail}. The record was not used. Restore the database from a "
-            f"backup, or load an earlier checkpoint that still verifies (Store.load(run_id, "
-            f"seq)) and carry on from it in a new run."
-        )
+        if hint is None:
+            hint = (
+                "The record was not used. Restore the database from a backup, or load an "
+                "earlier checkpoint that still verifies (Store.load(run_id, seq)) and carry "
+                "on from it in a new run."
+            )
+        super().__init__(f"{place}: {detail}." + (f" {hint}" if hint else ""))
 
 
 class UnknownCodecTag(CorruptRecord):

@@ -108,6 +108,10 @@ class Run:
     head_seq: int | None
     created_at: float
     updated_at: float
+    #: The digest of the run's waits as last written (covered by the run's seal), so a
+    #: wait row put back to an earlier, genuinely sealed version is refused; None
+    #: without integrity keys, and for runs sealed before schema version 5.
+    waits_digest: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

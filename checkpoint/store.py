@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hmac
 import json
 import queue
 import threading
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
+import blake3
 from sqlalchemy import and_, delete, exists, or_, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine
@@ -51,6 +53,7 @@ from .errors import (
 from .failpoints import failpoint
 from .integrity import UNKEYED_LIMITS, RowKeys
 from .integrity import _check_seal as check
+from .integrity import _encode as _encode_parts
 from .integrity import _make_seal as seal
 from .records import (
     CheckpointInfo,
@@ -544,6 +547,7 @@ class Store:
             "head_seq": None,
             "created_at": now,
             "updated_at": now,
+            "waits_digest": None,
         }
         values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
         try:
@@ -646,6 +650,7 @@ class Store:
                     "head_seq": None,
                     "created_at": now,
                     "updated_at": now,
+                    "waits_digest": None,
                 }
                 values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
                 try:
@@ -713,6 +718,54 @@ class Store:
         if found is None:
             return None
         return self._checked_run(found)
+
+    def _waits_digest_in(self, cur: Any, run_id: str) -> bytes:
+        """The digest of a run's waits as they stand: every wait's name, instance and
+        seal (a wait row put back to an earlier version has an earlier seal)."""
+        q = self._sql.q
+        cur.execute(
+            f"SELECT name, instance, seal FROM oo_waits WHERE run_id = {q} ORDER BY name, instance",
+            (run_id,),
+        )
+        h = blake3.blake3(b"onceonly.waits.v1")
+        for name, instance, sealed in cur.fetchall():
+            h.update(_encode_parts([name, int(instance), b"" if sealed is None else bytes(sealed)]))
+        return h.digest()
+
+    def _seal_waits_in(self, cur: Any, run_id: str) -> None:
+        """After a wait of ``run_id`` was written in this transaction: record the digest
+        of the run's waits in its (sealed) run row. The run row is locked first, so
+        concurrent writers of two waits of one run cannot both record a stale digest."""
+        if self.integrity is None:
+            return
+        run = self.read_run_in(cur, run_id, lock=True)
+        if run is None:
+            return
+        with self._lock:
+            self._heads.pop(run_id, None)  # the cached run row is no longer current
+        self._update_run_in(cur, run, {"waits_digest": self._waits_digest_in(cur, run_id)})
+
+    def _check_waits_in(self, cur: Any, run_id: str) -> None:
+        """Before a wait of ``run_id`` is decided on: its waits are the ones its run row
+        was sealed with.
+
+        Raises:
+            CorruptRecord: A wait was put back to an earlier version, deleted or added
+                behind the store's back (or the run row fails its seal).
+        """
+        if self.integrity is None:
+            return
+        run = self.read_run_in(cur, run_id)
+        if run is None or run.waits_digest is None:
+            return  # no run (a fork's start in progress) or waits sealed before v5
+        if not hmac.compare_digest(run.waits_digest, self._waits_digest_in(cur, run_id)):
+            raise CorruptRecord(
+                "its waits are not the ones its run row was sealed with (a wait put back "
+                "to an earlier version, deleted or added behind the store's back); nothing "
+                "is decided on them. Run `onceonly audit verify`",
+                run_id=run_id,
+                hint="",
+            )
 
     def run_head_in(self, cur: Any, run_id: str) -> tuple[Run, bytes | None] | None:
         """The run row (seal checked) and its head checkpoint's digest, read through
@@ -848,12 +901,13 @@ class Store:
             "next_step": run.next_step,
             "handoff": self._encode_handoff(run.handoff),
             "head_seq": run.head_seq,
+            "waits_digest": run.waits_digest,
             **changes,
         }
         values["seal"] = seal(
             self.integrity, "runs", _run_parts(values, None if found is None else bytes(found[0]))
         )
-        cols = ["status", "next_step", "handoff", "code_version", "seal"]
+        cols = ["status", "next_step", "handoff", "code_version", "seal", "waits_digest"]
         sets = ", ".join([f"{c} = {q}" for c in cols] + [f"updated_at = {q}"])
         cur.execute(
             f"UPDATE oo_runs SET {sets} WHERE run_id = {q}",
@@ -1292,6 +1346,7 @@ class Store:
             "status": run.status.value,
             "next_step": run.next_step,
             "handoff": self._encode_handoff(run.handoff),
+            "waits_digest": run.waits_digest,
             **p.run_values,
             "head_seq": p.seq,
         }
@@ -1535,9 +1590,10 @@ class Store:
             if not found:
                 raise RunNotFound(run_id)
             n = len(_RUN_COLS)
-            rows = [_Row(*r[n:]) for r in found if r[n] is not None]
+            rows = [_Row(*r[n:-1]) for r in found if r[n] is not None]
             head_digest = rows[-1].digest if rows else None
             run = self._checked_run([*found[0][:n], head_digest])
+            _check_nothing_above(run_id, run.head_seq, found[0][-1])
             if run.head_seq is None:
                 return run, None
             if not rows:
@@ -1565,6 +1621,10 @@ class Store:
         sql = self._sql
         with translate("load a checkpoint"), _RawTxn(self, write=False) as cur:
             if seq is None:
+                cur.execute(sql.run_head_top, (run_id, run_id))
+                found = cur.fetchone()
+                if found is not None:
+                    _check_nothing_above(run_id, found[0], found[1])
                 cur.execute(sql.head_rows, (run_id, run_id, run_id, run_id))
             else:
                 cur.execute(sql.seq_rows, (run_id, run_id, seq, seq))
@@ -1634,7 +1694,7 @@ class Store:
             run_id=run_id,
             seq=int(last.seq),
             step=last.step,
-            source=Source(last.source),
+            source=_source(last.source, run_id, int(last.seq)),
             schema_version=int(last.schema_version),
             created_at=float(last.created_at),
             keyframe=last.kind == _KEYFRAME,
@@ -1819,7 +1879,7 @@ class Store:
                 run_id=run_id,
                 seq=int(row.seq),
                 step=row.step,
-                source=Source(row.source),
+                source=_source(row.source, run_id, int(row.seq)),
                 schema_version=int(row.schema_version),
                 created_at=float(row.created_at),
                 keyframe=row.kind == _KEYFRAME,
@@ -1921,6 +1981,13 @@ class Store:
                     waits._checked(row)
                 except CorruptRecord as exc:
                     problems.append(f"run {row[0]!r} wait {row[1]!r}#{row[14]}: {exc.detail}")
+            if self.integrity is not None:
+                cur.execute("SELECT DISTINCT run_id FROM oo_waits ORDER BY run_id")
+                for (rid,) in cur.fetchall():
+                    try:
+                        self._check_waits_in(cur, rid)
+                    except CorruptRecord as exc:
+                        problems.append(f"run {rid!r}: {exc.detail}")
 
         self.read(scan)
         return checked, problems
@@ -1974,6 +2041,14 @@ class Store:
                     f"AND instance = {q}",
                     (keys.seal("waits", _wait_parts(tuple(row))), row[0], row[1], row[14]),
                 )
+                n += 1
+            # Bind every run's waits to its run row (runs sealed before schema 5 too).
+            cur.execute(
+                "SELECT DISTINCT w.run_id FROM oo_waits w JOIN oo_runs r ON r.run_id = "
+                "w.run_id WHERE r.waits_digest IS NULL ORDER BY w.run_id"
+            )
+            for (rid,) in cur.fetchall():
+                self._seal_waits_in(cur, rid)
                 n += 1
             return n
 
@@ -2182,6 +2257,7 @@ class Store:
             head_seq=row["head_seq"],
             created_at=float(row["created_at"]),
             updated_at=float(row["updated_at"]),
+            waits_digest=None if row.get("waits_digest") is None else bytes(row["waits_digest"]),
         )
 
 
@@ -2340,6 +2416,36 @@ class _Row:
         )
 
 
+def _source(value: str, run_id: str, seq: int) -> Source:
+    """A stored checkpoint's source; a value no writer produces is a damaged row."""
+    try:
+        return Source(value)
+    except ValueError:
+        raise CorruptRecord(
+            f"checkpoint {seq} has an unknown source {value!r} (edited)", run_id=run_id, seq=seq
+        ) from None
+
+
+def _check_nothing_above(run_id: str, head: int | None, top: int | None) -> None:
+    """Refuse a run whose row is older than its checkpoints: a checkpoint above the
+    head is never written without moving the head to it in the same transaction, so
+    one there means the run row was put back (an older, genuinely sealed version of
+    it: a status, next step and head from before), or the history was cut back.
+
+    Raises:
+        CorruptRecord: A checkpoint of the run sits above its head.
+    """
+    if top is not None and (head is None or int(top) > int(head)):
+        raise CorruptRecord(
+            f"run {run_id!r} has checkpoint {int(top)} above its head "
+            f"{'(none)' if head is None else int(head)}: its row was rolled back to an "
+            f"older version (or its history cut back); it is not acted on. Run "
+            f"`onceonly audit verify`",
+            run_id=run_id,
+            seq=int(top),
+        )
+
+
 def _ckpt_parts(
     run_id: str,
     seq: int,
@@ -2380,6 +2486,9 @@ def _run_parts(values: Mapping[str, Any], head_digest: bytes | None) -> list[obj
         None if handoff is None else bytes(handoff),
         None if head is None else int(head),
         b"" if head_digest is None else bytes(head_digest),
+        # Only once the run has sealed waits (schema 5), so earlier seals still verify;
+        # setting it back to NULL changes the parts as much as any other edit.
+        *([] if values.get("waits_digest") is None else [bytes(values["waits_digest"])]),
     ]
 
 
@@ -2397,6 +2506,7 @@ _RUN_COLS = (
     "created_at",
     "updated_at",
     "seal",
+    "waits_digest",
 )
 _CKPT_COLS = "seq, kind, keyframe_seq, step, source, schema_version, created_at, body, digest, seal"
 
@@ -2440,13 +2550,17 @@ class _SQL:
             f"AND seq <= {q} ORDER BY seq"
         )
         self.run_head = f"SELECT head_seq FROM oo_runs WHERE run_id = {q}"
+        # The head and the highest checkpoint, in one statement (one snapshot).
+        top = f"(SELECT MAX(m.seq) FROM oo_checkpoints m WHERE m.run_id = {q})"
+        self.run_head_top = f"SELECT head_seq, {top} FROM oo_runs WHERE run_id = {q}"
         # The run row and its head checkpoint's keyframe + deltas, in one statement (one
         # snapshot even under READ COMMITTED); a run without checkpoints gives one row
         # of NULL checkpoint columns.
         rcols = ", ".join(f"r.{c}" for c in _RUN_COLS)
         ccols = ", ".join(f"c.{c.strip()}" for c in _CKPT_COLS.split(","))
         self.run_and_head = (
-            f"SELECT {rcols}, {ccols} FROM oo_runs r LEFT JOIN oo_checkpoints c "
+            f"SELECT {rcols}, {ccols}, (SELECT MAX(m.seq) FROM oo_checkpoints m WHERE "
+            f"m.run_id = r.run_id) FROM oo_runs r LEFT JOIN oo_checkpoints c "
             f"ON c.run_id = r.run_id AND c.seq <= r.head_seq AND c.seq >= "
             f"(SELECT k.keyframe_seq FROM oo_checkpoints k WHERE k.run_id = r.run_id "
             f"AND k.seq = r.head_seq) WHERE r.run_id = {q} ORDER BY c.seq"

@@ -594,7 +594,11 @@ class Waits:
                 (run_id, name, instance),
             )
         row = cur.fetchone()
-        return None if row is None else self._checked(row)
+        if row is None:
+            return None
+        checked = self._checked(row)
+        self.store._check_waits_in(cur, run_id)  # and the run's waits are as sealed
+        return checked
 
     def _checked(self, row: Sequence[Any]) -> tuple[Any, ...]:
         """A wait row without its seal, after checking the seal (with integrity keys)
@@ -636,6 +640,7 @@ class Waits:
             f"UPDATE oo_waits SET seal = {q} WHERE run_id = {q} AND name = {q} AND instance = {q}",
             (keys.seal("waits", _wait_parts(tuple(row))), run_id, name, instance),
         )
+        self.store._seal_waits_in(cur, run_id)
 
     def _wake(self, cur: Any, run_id: str, now: float) -> None:
         q = self.store.param

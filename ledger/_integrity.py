@@ -30,7 +30,7 @@ from checkpoint import RowKeys
 from checkpoint.errors import CorruptRecord
 
 from .audit import GENESIS, row_digest
-from .errors import StoreRolledBack
+from .errors import LEDGER_HINT, StoreRolledBack
 
 __all__ = ["StoreRolledBack"]  # re-exported from .errors for the ledger's own use
 
@@ -144,6 +144,7 @@ def head_of(cur: Any, q: str, keys: RowKeys | None, chain: str) -> tuple[int, by
             f"the head of audit chain {chain!r} fails its seal (edited or forged); nothing "
             f"is acted on. Run `onceonly audit verify`",
             run_id=None if chain.startswith("tenant:") else chain,
+            hint=LEDGER_HINT,
         )
     return seq, h
 
@@ -178,6 +179,7 @@ def whole_since(
                 f"audit chain {chain!r} has events but no head (its head was deleted); "
                 f"nothing is acted on. Run `onceonly audit verify`",
                 run_id=where,
+                hint=LEDGER_HINT,
             )
         return 0
     seq, h, seal, count, last = int(found[0]), bytes(found[1]), found[2], found[3], found[4]
@@ -188,6 +190,7 @@ def whole_since(
             f"the head of audit chain {chain!r} fails its seal (edited or forged); nothing "
             f"is acted on. Run `onceonly audit verify`",
             run_id=where,
+            hint=LEDGER_HINT,
         )
     if seq <= verified:
         return seq
@@ -196,12 +199,14 @@ def whole_since(
             f"audit chain {chain!r} is missing events below its head {seq} (events and "
             f"their effects deleted); nothing is acted on. Run `onceonly audit verify`",
             run_id=where,
+            hint=LEDGER_HINT,
         )
     if int(last or 0) > seq:
         raise CorruptRecord(
             f"audit chain {chain!r} has events past its sealed head {seq} (forged or "
             f"its head rolled back); nothing is acted on. Run `onceonly audit verify`",
             run_id=where,
+            hint=LEDGER_HINT,
         )
     cur.execute(
         f"SELECT {EVENT_COLS}, mac FROM oo_audit WHERE chain = {q} AND seq = {q}", (chain, seq)
@@ -212,6 +217,7 @@ def whole_since(
             f"the last event of audit chain {chain!r} is not its sealed head (replaced); "
             f"nothing is acted on. Run `onceonly audit verify`",
             run_id=where,
+            hint=LEDGER_HINT,
         )
     return seq
 

@@ -15,6 +15,7 @@ from typing import Any
 from checkpoint import Codec, RowKeys, Store
 from checkpoint.errors import CorruptRecord
 
+from ._integrity import Witness
 from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
 from .audit import AuditReport, export_witness, verify_store
 from .crypto import Sealer
@@ -53,6 +54,7 @@ class QueryMixin:
     _append: Callable[[Any, Row, str, str, str], None]
     _keys: RowKeys | None
     _check_row: Callable[[Any, Row], None]
+    witness: Witness | None
 
     def get(self, key_id: str) -> EffectRecord:
         """The entry with this key id, flagged if it does not verify (its seal, and its
@@ -217,11 +219,14 @@ class QueryMixin:
     # -- verification ------------------------------------------------------------------
     def verify(self, *, witness: str | None = None) -> AuditReport:
         """Check every audit chain, every effect row against its last event, every blob and
-        checkpoint row, and (given a witness file) that no chain was rolled back.
+        checkpoint row, and (given a witness file, or with the ledger's own witness,
+        ``ONCEONLY_WITNESS``) that no chain was rolled back.
 
         Detects edited, deleted, reordered or forged events and rows, rows moved between
         runs, and a store restored below the witnessed heads.
         """
+        if witness is None and self.witness is not None:
+            witness = self.witness.path  # the ledger's own (ONCEONLY_WITNESS)
         return verify_store(self.store, witness=witness)
 
     def export_witness(self, path: str) -> dict[str, Any]:

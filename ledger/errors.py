@@ -256,6 +256,14 @@ class RunFenced(LedgerError):
         )
 
 
+LEDGER_HINT = (
+    "Find out what changed (`onceonly effects show KEY`), then settle the entry by hand "
+    "(`onceonly effects resolve`) or restore a backup you trust."
+)
+"""What a ledger-side :class:`CorruptRecord` tells the operator to do (a checkpoint's
+says how to carry on from an earlier checkpoint instead)."""
+
+
 class StoreRolledBack(CorruptRecord):
     """The store is behind its witness: it was restored from an older copy (or rolled
     back). Nothing is acted on until an operator accepts the restore.
@@ -276,4 +284,5 @@ class StoreRolledBack(CorruptRecord):
             f"Reconcile what happened since the backup, then run `onceonly audit "
             f"accept-restore --as <you> --reason <why>`",
             run_id=None if chain.startswith("tenant:") else chain,
+            hint="",
         )

@@ -50,6 +50,7 @@ from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
 from .audit import GENESIS, event_hash, row_digest
 from .crypto import Sealer
 from .errors import (
+    LEDGER_HINT,
     EffectFailed,
     EffectInDoubt,
     EffectInFlight,
@@ -1400,6 +1401,7 @@ class Ledger(QueryMixin):
                 f"effect {row['key_id']} fails its keyed seal (edited, forged or written "
                 f"without the keyring); it is not acted on. Run `onceonly audit verify`",
                 run_id=row["run_id"],
+                hint=LEDGER_HINT,
             )
         cur.execute(
             f"SELECT {EVENT_COLS}, mac FROM oo_audit WHERE chain = {q} AND key_id = {q} "
@@ -1416,6 +1418,7 @@ class Ledger(QueryMixin):
                 f"effect {row['key_id']} differs from its audit trail (edited, forged or "
                 f"moved); it is not acted on. Run `onceonly audit verify` and resolve it by hand",
                 run_id=row["run_id"],
+                hint=LEDGER_HINT,
             )
 
     def _seal(self, table: str, parts: list[object]) -> bytes:
@@ -1477,6 +1480,7 @@ class Ledger(QueryMixin):
                 f"effect {found[0]} has audit events but no row (deleted); it is not acted "
                 f"on. Run `onceonly audit verify` and resolve it by hand",
                 run_id=None if chain.startswith("tenant:") else chain,
+                hint=LEDGER_HINT,
             )
 
     def _audited_rows(self, cur: Any, rows: list[Row]) -> list[Row]:
@@ -1587,6 +1591,7 @@ class Ledger(QueryMixin):
                         f"its last event (events deleted or added behind the ledger's "
                         f"back); nothing is acted on. Run `onceonly audit verify`",
                         run_id=None if chain.startswith("tenant:") else chain,
+                        hint=LEDGER_HINT,
                     )
             seq = head[0] + 1
             h = event_hash(
@@ -1671,6 +1676,7 @@ class Ledger(QueryMixin):
                 f"audit chain {chain!r}: its sealed head is not its last event (events or "
                 f"the head deleted); nothing is acted on. Run `onceonly audit verify`",
                 run_id=None if chain.startswith("tenant:") else chain,
+                hint=LEDGER_HINT,
             )
 
     # -- data keys ----------------------------------------------------------------------
@@ -1794,6 +1800,8 @@ class Ledger(QueryMixin):
             plain = Sealer.open(cipher, sealed, f"{row['key_id']}|{field}".encode())
         except CorruptRecord as exc:
             raise CorruptRecord(
-                f"effect {row['key_id']} {field}: {exc.detail}", run_id=row["run_id"]
+                f"effect {row['key_id']} {field}: {exc.detail}",
+                run_id=row["run_id"],
+                hint=LEDGER_HINT,
             ) from exc
         return self.codec.decode(plain)

@@ -1,4 +1,4 @@
-"""Shared machinery of the reliability suites S1-S10 (see ../shared/RELIABILITY.md).
+"""Shared machinery of the reliability suites S1-S11 (see ../shared/RELIABILITY.md).
 
 * :func:`depth` / :func:`scaled` / :func:`seeds`: the CI tier (fixed seeds, CI sizes) or
   the deep tier (``RELIABILITY_DEPTH=deep``: sizes x20-x100, random seeds that are

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from checkpoint import Codec, CorruptRecord, Store, UnknownCodecTag
+from checkpoint import _delta as delta
 from tests.dbutil import blob_hashes, execute, fetch
 from tests.values import Note, Point, make_codec
 
@@ -374,3 +375,36 @@ def test_other_runs_still_load_after_one_is_damaged(
         store.load(damaged)
     assert store.load(healthy).state == {"ok": True}
     assert open_store().load(healthy).state == {"ok": True}
+
+
+def test_an_unknown_source_in_an_unkeyed_store_is_a_corrupt_record(
+    open_store: Callable[..., Store],
+) -> None:
+    """``source`` is not in the unkeyed digest: a value no writer produces is still
+    refused as damage (``CorruptRecord``), not a stray ``ValueError``."""
+    store = open_store()
+    rid = _write_run(store)
+    # As someone who recomputes the unkeyed digest would.
+    for seq, kind, kf, ver, step, at, body in fetch(
+        store.engine,
+        "SELECT seq, kind, keyframe_seq, schema_version, step, created_at, body "
+        "FROM oo_checkpoints WHERE run_id = :r",
+        r=rid,
+    ):
+        raw = delta.unpack(bytes(body))
+        digest = delta.row_digest(rid, seq, kind, kf, ver, step, "bogus", at, raw)
+        execute(
+            store.engine,
+            "UPDATE oo_checkpoints SET source = 'bogus', digest = :d WHERE run_id = :r "
+            "AND seq = :s",
+            d=digest,
+            r=rid,
+            s=seq,
+        )
+    fresh = open_store()
+    with pytest.raises(CorruptRecord, match="unknown source"):
+        fresh.load(rid)
+    with pytest.raises(CorruptRecord, match="unknown source"):
+        fresh.load_run(rid)
+    with pytest.raises(CorruptRecord, match="unknown source"):
+        fresh.history(rid)

@@ -12,9 +12,10 @@ import time
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from adapters import current_claim, guard
-from checkpoint import CorruptRecord, RunStatus, Store, WaitStatus
+from checkpoint import CorruptRecord, RunStatus, Store, Waits, WaitStatus
 from checkpoint import _delta as delta
 from ledger import EffectIdentity, Ledger
 from ledger._integrity import StoreRolledBack
@@ -217,6 +218,37 @@ def test_a_cut_back_history_is_refused(world: World) -> None:
     _verify_finds(world, f"run {rid!r}")
 
 
+def test_an_older_genuine_run_row_put_back_is_refused(world: World) -> None:
+    """A run row rolled back alone to an older version of itself (genuinely sealed: a
+    status, next step and head from before) is refused: a checkpoint sits above its head."""
+    rid = world.waiting_run()
+    [wait] = [w for w in world.operator.show(rid).waits if w.name == "cfo"]
+    assert wait.subject_hash is not None
+    world.operator.approve(rid, "cfo", actor="bob", subject_hash=wait.subject_hash)
+    engine = world.store.engine
+    with engine.connect() as conn:
+        older = dict(
+            conn.execute(text("SELECT * FROM oo_runs WHERE run_id = :r"), {"r": rid})
+            .mappings()
+            .one()
+        )
+        conn.rollback()
+    assert world.runtime().drive(rid).status is RunStatus.COMPLETED
+    assert len(world.provider.sent) == 1
+    cols = ", ".join(older)
+    execute(engine, "DELETE FROM oo_runs WHERE run_id = :run_id", run_id=rid)
+    execute(engine, f"INSERT INTO oo_runs ({cols}) VALUES ({', '.join(':' + c for c in older)})",
+            **older)  # fmt: skip
+    fresh = world.ledgers.fresh(owner="w5").store
+    with pytest.raises(CorruptRecord, match="above its head"):
+        fresh.load_run(rid)
+    with pytest.raises(CorruptRecord, match="above its head"):
+        fresh.load(rid)
+    _work(world)
+    assert len(world.provider.sent) == 1
+    _verify_finds(world, "above its head")
+
+
 def test_an_unkeyed_store_says_what_it_cannot_detect(ledgers: Ledgers) -> None:
     bare = Store.open(ledgers.db_url)
     try:
@@ -366,3 +398,37 @@ def test_a_restored_store_behind_its_witness_refuses_to_act(world: World, tmp_pa
     other.accept_restore(actor="ops", reason="restored from the 09:00 backup, reconciled")
     _effect(world, other, 2)
     assert len(world.provider.sent) == 3
+
+
+# -- a wait put back to an earlier, genuinely sealed version of itself ------------------
+
+
+@pytest.mark.parametrize("then", ["approve", "drive"])
+def test_a_rejection_put_back_to_its_open_version_is_refused(world: World, then: str) -> None:
+    rid = world.waiting_run()
+    cols = "status, decided_by, decided_at, reason, seal"
+    [before] = fetch(world.store.engine, f"SELECT {cols} FROM oo_waits WHERE run_id = :r", r=rid)
+    world.operator.reject(rid, "cfo", actor="bob", reason="no")
+    # Put the wait row back as it was while open: every byte of it genuine and sealed.
+    execute(
+        world.store.engine,
+        "UPDATE oo_waits SET status = :s, decided_by = :b, decided_at = :a, reason = :n, "
+        "seal = :seal WHERE run_id = :r",
+        s=before[0],
+        b=before[1],
+        a=before[2],
+        n=before[3],
+        seal=before[4],
+        r=rid,
+    )
+    fresh = world.runtime()
+    act: Any = (
+        (lambda: world.operator.approve(rid, "cfo", actor="carol", subject_hash="0" * 64))
+        if then == "approve"
+        else (lambda: Waits(fresh.store).get(rid, "cfo"))
+    )
+    with pytest.raises(CorruptRecord, match="waits are not the ones"):
+        act()
+    _work(world)
+    assert world.provider.sent == []
+    _verify_finds(world, "waits are not the ones")

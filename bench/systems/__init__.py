@@ -154,6 +154,7 @@ class W1System(ABC):
 
 _W1_REGISTRY: dict[str, tuple[str, str]] = {
     "onceonly": ("bench.systems.w1_onceonly", "LedgerCalls"),
+    "onceonly-witness": ("bench.systems.w1_onceonly", "WitnessedLedgerCalls"),
     "floor": ("bench.systems.w1_floor", "TwoCommitFloor"),
     "langgraph": ("bench.systems.w1_langgraph", "LangGraphTasks"),
     "dbos": ("bench.systems.w1_dbos", "DbosSteps"),
@@ -161,6 +162,7 @@ _W1_REGISTRY: dict[str, tuple[str, str]] = {
 
 W1_LABELS: dict[str, str] = {
     "onceonly": "onceonly `Ledger.perform` (sync durability)",
+    "onceonly-witness": "onceonly `Ledger.perform`, sync, with a witness file",
     "floor": "floor: sqlite3 WAL FULL, 2 commits per call",
     "langgraph": "LangGraph `@entrypoint` + `@task`, SqliteSaver sync",
     "dbos": "DBOS `@DBOS.step` in a workflow, SQLite WAL",

@@ -5,7 +5,9 @@ each call is ``Ledger.perform(EffectIdentity(tenant, run, step, visit, "send_ema
 ordinal=i), arg, act)``: the intent is durable before ``act`` runs and the outcome before
 ``perform`` returns (sync durability); a resumed run replays recorded results. W1-async:
 ``Ledger.aperform`` on a ``durability="async"`` store, whose concurrent transactions share
-group commits.
+group commits. ``onceonly-witness``: the same, with a witness file beside the database
+(``Ledger(..., witness=PATH)``, as ``ONCEONLY_WITNESS`` sets it): every claim first
+appends its chain's head to the witness and fsyncs it.
 """
 
 from __future__ import annotations
@@ -49,14 +51,18 @@ class LedgerCalls(W1System):
     """``Ledger.perform`` per call (``aperform`` for W1-async)."""
 
     name = "onceonly"
+    #: Keep a witness of the chain heads outside the database (rollback detection).
+    witnessed = False
 
-    @staticmethod
-    def _open(db: Path, durability: str = "sync", *, wait: bool = True) -> tuple[Store, Ledger]:
+    def _open(
+        self, db: Path, durability: str = "sync", *, wait: bool = True
+    ) -> tuple[Store, Ledger]:
         store = Store.open(_url(db), durability=durability)
         # A tolerant resume does not wait out a crashed worker's lease on a claim whose
         # outcome was never recorded: it counts it (EffectInFlight) and moves on.
         policy = None if wait else InFlightPolicy(wait_s=0)
-        return store, Ledger(store, Keyring([SECRET]), in_flight=policy)
+        witness = f"{db}.witness" if self.witnessed else ""
+        return store, Ledger(store, Keyring([SECRET]), in_flight=policy, witness=witness)
 
     def _run(self, db: Path, calls: int, *, tolerant: bool) -> CallsResult:
         clock = time.perf_counter
@@ -154,3 +160,10 @@ class LedgerCalls(W1System):
             results,
             {"durability": "async", "concurrency": concurrency},
         )
+
+
+class WitnessedLedgerCalls(LedgerCalls):
+    """``Ledger.perform`` per call with a witness file (``ONCEONLY_WITNESS``)."""
+
+    name = "onceonly-witness"
+    witnessed = True
