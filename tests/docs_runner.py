@@ -24,6 +24,11 @@ A page is cut into fenced blocks. In page order:
   the output, in order;
 - other blocks (``text`` elsewhere, ``sql``, ``ini``...) are illustrations.
 
+Each page starts in a fresh directory, with ``HOME`` inside it, nothing of the test
+process's environment but the locale, and ``COLUMNS=200`` ("a terminal wide enough not to
+wrap long lines"); :mod:`tests.test_docs` gives the PostgreSQL pages a fresh database in
+``ONCEONLY_DATABASE_URL``.
+
 ``reference.md`` holds signatures, not programs: its ``python`` blocks are checked against
 the code by :mod:`tests.docs_signatures`.
 
@@ -142,8 +147,9 @@ _NORMALISE: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\b\d+\.\d+ ?m?s\b"), "<duration>"),
     # a worker's default name, host:pid
     (re.compile(r"(?<=worker )[\w.-]+:\w+\b"), "<host:pid>"),
-    # ages relative to now, as tables show them
+    # ages and time left, relative to now, as tables show them ("3s ago", "in 23h59m")
     (re.compile(r"\b\d+[smhd] ago\b"), "<ago>"),
+    (re.compile(r"(?<=in )\d+h\d+m\b"), "<left>"),
 )
 _TABLE_ROW = re.compile(r"[│┃┏┡└┗┌╭╰]")
 

@@ -141,6 +141,7 @@ def test_normaliser_keeps_what_is_deterministic() -> None:
     key = "4a48fe33d3beb2188d87f8f87abd458ede167768c708f84c288150dcfbd3db44"
     assert normalise(f"key {key}  ") == f"key {key}"  # key ids are compared exactly
     assert normalise("lease 30 s") == "lease 30 s"  # a configured value is not a duration
+    assert normalise("expires in 23h58m, 2s ago") == "expires in <left>, <ago>"
 
 
 def test_wrong_signature_fails(tmp_path: Path) -> None:
