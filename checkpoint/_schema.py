@@ -61,6 +61,7 @@ def _runs_table(meta: MetaData, *, sealed: bool) -> Table:
         Column("updated_at", Float, nullable=False),
         *([Column("seal", LargeBinary, nullable=True)] if sealed else []),
         *([Column("waits_digest", LargeBinary, nullable=True)] if sealed else []),
+        *([Column("rev", Integer, nullable=True)] if sealed else []),
     )
 
 
@@ -291,11 +292,13 @@ CHECKPOINT_MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         5,
-        "a run's seal covers the digest of its waits (oo_runs.waits_digest): a wait put "
-        "back to an earlier, genuinely sealed version is refused",
+        "a run's seal covers the digest of its waits (oo_runs.waits_digest: a wait put "
+        "back to an earlier, genuinely sealed version is refused) and the row's revision "
+        "(oo_runs.rev, one more at every sealed write: what a witness records)",
         tuple(
-            OnlyOn(dialect, _sql(f"ALTER TABLE oo_runs ADD COLUMN waits_digest {blob}"))
+            OnlyOn(dialect, _sql(f"ALTER TABLE oo_runs ADD COLUMN {col} {kind}"))
             for dialect, blob in (("sqlite", "BLOB"), ("postgresql", "BYTEA"))
+            for col, kind in (("waits_digest", blob), ("rev", "INTEGER"))
         ),
     ),
 )

@@ -46,6 +46,7 @@ __all__ = [
     "OnceOnlyError",
     "RunExists",
     "RunNotFound",
+    "RunRolledBack",
     "SchemaVersionError",
     "StateVersionError",
     "StoreError",
@@ -223,6 +224,29 @@ class CorruptRecord(OnceOnlyError):
                 "on from it in a new run."
             )
         super().__init__(f"{place}: {detail}." + (f" {hint}" if hint else ""))
+
+
+class RunRolledBack(CorruptRecord):
+    """A run row is older than its witness saw: the store was restored from an older
+    copy (or the row put back). Nothing is done with the run until an operator accepts
+    the restore (``onceonly audit accept-restore``).
+
+    Attributes:
+        revision: The row's revision in the store.
+        witnessed: The revision the witness saw.
+    """
+
+    def __init__(self, run_id: str, revision: int, witnessed: int, path: str) -> None:
+        self.revision = revision
+        self.witnessed = witnessed
+        super().__init__(
+            f"the store is behind its witness {path}: the run's row is at revision "
+            f"{revision}, the witness saw {witnessed} (a restore or rollback); nothing is "
+            f"done with it. Reconcile what happened since the backup, then run `onceonly "
+            f"audit accept-restore --as <you> --reason <why>`",
+            run_id=run_id,
+            hint="",
+        )
 
 
 class UnknownCodecTag(CorruptRecord):

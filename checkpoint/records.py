@@ -112,6 +112,9 @@ class Run:
     #: wait row put back to an earlier, genuinely sealed version is refused; None
     #: without integrity keys, and for runs sealed before schema version 5.
     waits_digest: bytes | None = field(default=None, repr=False, compare=False)
+    #: The revision of the run's row: one more at every sealed write (a checkpoint, a
+    #: status change, a wait decided); what a witness records (0 before schema 5).
+    rev: int = field(default=0, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

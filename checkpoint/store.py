@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import queue
 import threading
 import time
@@ -35,6 +36,7 @@ from ._engine import (
     translate,
 )
 from ._retry import DatabaseRetry, retried
+from ._witness import Witness
 from .codec import Codec
 from .errors import (
     AsyncWriteError,
@@ -47,6 +49,7 @@ from .errors import (
     OnceOnlyError,
     RunExists,
     RunNotFound,
+    RunRolledBack,
     StateVersionError,
     StoreError,
 )
@@ -72,6 +75,8 @@ from .records import (
 __all__ = ["Store", "ensure_schema", "migrate", "migrate_component"]
 
 _UNSET: Final = object()
+log = logging.getLogger("onceonly.store")
+
 T = TypeVar("T")
 _KEYFRAME, _DELTA = 0, 1
 _HEAD_CACHE = 1024
@@ -172,7 +177,13 @@ class Store:
         migrations: Default state migrations applied when loading.
         create: Create the schema when the database has none (an older schema is never
             migrated implicitly; use :func:`migrate`).
-        busy_timeout_ms: How long a SQLite writer waits for the lock.
+        busy_timeout_ms: How long a SQLite writer waits for the lock. SQLite has one write
+            lock per database: a process stopped (SIGSTOP, a debugger, a frozen container)
+            while one of its threads is inside a write transaction blocks every writer of
+            every process until it is resumed or killed; after ``retry``'s budget they get
+            :class:`DatabaseLocked`. The store itself holds the lock only for one
+            transaction's statements, never across a provider call or a sleep. (On
+            PostgreSQL a stopped process holds only its open transaction's row locks.)
         integrity: The keys that seal runs, checkpoints and waits (see
             :mod:`checkpoint.integrity`; a :class:`~ledger.Ledger` attaches its keyring's
             on the store it is given). Without them nothing deliberate is detected:
@@ -194,8 +205,12 @@ class Store:
         busy_timeout_ms: int = 5000,
         integrity: RowKeys | None = None,
         retry: DatabaseRetry | None = None,
+        witness: str | None = None,
     ) -> None:
         self.integrity = integrity
+        #: The witness of run-row revisions (see :meth:`attach_witness`), if any.
+        self.witness: Witness | None = None
+        self._behind: RunRolledBack | None = None
         self.retry = retry or DatabaseRetry()
         try:
             self.durability = Durability(durability)
@@ -241,6 +256,8 @@ class Store:
         self._pin_lock = threading.Lock()
         _check_schema(engine, create=create)
         self._sql = _SQL(self._dialect)
+        if witness:
+            self.attach_witness(witness)
         if self.durability is Durability.ASYNC:
             self._writer = threading.Thread(
                 target=self._write_loop, name="onceonly-checkpoint-writer", daemon=True
@@ -260,6 +277,7 @@ class Store:
         busy_timeout_ms: int = 5000,
         integrity: RowKeys | None = None,
         retry: DatabaseRetry | None = None,
+        witness: str | None = None,
     ) -> Store:
         """Open a store from a database URL (``sqlite:///path`` or
         ``postgresql+psycopg://...``).
@@ -282,6 +300,7 @@ class Store:
                 busy_timeout_ms=busy_timeout_ms,
                 integrity=integrity,
                 retry=retry,
+                witness=witness,
             )
         except BaseException:
             engine.dispose()
@@ -432,6 +451,75 @@ class Store:
         """``"sqlite"`` or ``"postgresql"``."""
         return self._dialect
 
+    def attach_witness(self, path: str) -> Witness:
+        """Keep a witness of every run row's revision in the file ``path`` (a Ledger
+        with ``ONCEONLY_WITNESS`` does this with its own): each sealed run-row write is
+        appended and fsynced after it commits, and a run row read back at a revision
+        below the witnessed one (the store restored from an older copy) is refused
+        (:class:`RunRolledBack`). Idempotent for the same path.
+
+        Returns:
+            The witness (shared with the caller).
+
+        Raises:
+            ConfigurationError: The store already has a witness at another path.
+        """
+        if self.witness is None:
+            self.witness = Witness(path)
+            self._behind = self._runs_behind()
+        elif self.witness.path != path:
+            raise ConfigurationError(
+                f"this store already keeps its witness in {self.witness.path}; one witness "
+                f"per store"
+            )
+        return self.witness
+
+    def _runs_behind(self) -> RunRolledBack | None:
+        """The first witnessed run the store has at an older revision, or not at all
+        (a restore from an older copy), read when the witness is attached."""
+        assert self.witness is not None
+        if not self.witness.runs:
+            return None
+        have = self.run_revisions()
+        for run_id, rev in sorted(self.witness.runs.items()):
+            if have.get(run_id, -1) < rev:
+                behind = RunRolledBack(run_id, have.get(run_id, 0), rev, self.witness.path)
+                log.error("%s", behind)
+                return behind
+        return None
+
+    def accept_restore(self) -> None:
+        """Act on the store as it is (the witness was reset to it by
+        :meth:`ledger.Ledger.accept_restore`)."""
+        self._behind = None
+
+    def run_revisions(self) -> dict[str, int]:
+        """Every run's current row revision (what an accepted restore witnesses)."""
+
+        def read(cur: Any) -> dict[str, int]:
+            cur.execute("SELECT run_id, rev FROM oo_runs WHERE rev IS NOT NULL")
+            return {str(r): int(v) for r, v in cur.fetchall()}
+
+        return self.read(read)
+
+    def _revs_mark(self, back_to: int | None = None) -> int:
+        """How many run revisions this thread's transaction noted; with ``back_to``,
+        forget those noted since (their savepoint was rolled back)."""
+        pending = getattr(self._local, "revs", None)
+        if pending is None:
+            return 0
+        if back_to is not None:
+            del pending[back_to:]
+        return len(pending)
+
+    def _note_rev(self, run_id: str, rev: int) -> None:
+        """A sealed run-row write at ``rev`` in this thread's transaction: witnessed
+        once it commits."""
+        if self.witness is not None:
+            pending = getattr(self._local, "revs", None)
+            if pending is not None:
+                pending.append((run_id, rev))
+
     def attach_integrity(self, keys: RowKeys) -> None:
         """Seal and check rows with ``keys`` from now on (a Ledger does this with its
         keyring's row keys). Idempotent for the same keys.
@@ -548,6 +636,7 @@ class Store:
             "created_at": now,
             "updated_at": now,
             "waits_digest": None,
+            "rev": 0,
         }
         values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
         try:
@@ -651,6 +740,7 @@ class Store:
                     "created_at": now,
                     "updated_at": now,
                     "waits_digest": None,
+                    "rev": 0,
                 }
                 values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
                 try:
@@ -794,7 +884,33 @@ class Store:
             what=f"run {values['run_id']!r}",
             run_id=values["run_id"],
         )
+        if self.witness is not None:
+            self._check_witnessed(values["run_id"], int(values.get("rev") or 0))
         return self._run_from_row(values)
+
+    def _check_witnessed(self, run_id: str, rev: int) -> None:
+        """A run row read at ``rev`` is not behind its witnessed revision.
+
+        A read whose snapshot began before another thread's write committed (and was
+        witnessed) is merely stale, as any read may be: the run's revision is read
+        again, outside the caller's transaction, before anything is refused.
+
+        Raises:
+            RunRolledBack: The store holds an older revision than the witness saw.
+        """
+        assert self.witness is not None
+        if self._behind is not None:
+            raise self._behind  # the store as a whole is behind: nothing is done with it
+        seen = self.witness.runs.get(run_id, 0)
+        if rev >= seen:
+            return
+        with self.engine.connect() as conn:
+            now = conn.exec_driver_sql(
+                f"SELECT rev FROM oo_runs WHERE run_id = {self._sql.q}", (run_id,)
+            ).scalar()
+        if now is not None and int(now) >= seen:
+            return
+        raise RunRolledBack(run_id, rev, seen, self.witness.path)
 
     @retried("list runs", idempotent=True)
     def list_runs(
@@ -903,11 +1019,13 @@ class Store:
             "head_seq": run.head_seq,
             "waits_digest": run.waits_digest,
             **changes,
+            "rev": run.rev + 1,
         }
         values["seal"] = seal(
             self.integrity, "runs", _run_parts(values, None if found is None else bytes(found[0]))
         )
-        cols = ["status", "next_step", "handoff", "code_version", "seal", "waits_digest"]
+        self._note_rev(run.run_id, values["rev"])
+        cols = ["status", "next_step", "handoff", "code_version", "seal", "waits_digest", "rev"]
         sets = ", ".join([f"{c} = {q}" for c in cols] + [f"updated_at = {q}"])
         cur.execute(
             f"UPDATE oo_runs SET {sets} WHERE run_id = {q}",
@@ -1237,12 +1355,14 @@ class Store:
                     self._write_pending(cur, p)
                     continue
                 cur.execute(f"SAVEPOINT oo_c{i}")
+                mark = self._revs_mark()
                 try:
                     self._write_pending(cur, p)
                 except (ConcurrentWrite, CorruptRecord):
                     # A lost race, or a run row that fails its seal (its next load says
                     # so): this member alone is left out.
                     cur.execute(f"ROLLBACK TO SAVEPOINT oo_c{i}")
+                    self._revs_mark(mark)
                     lost.append(p)
                     lost_runs.add(p.run_id)
                 cur.execute(f"RELEASE SAVEPOINT oo_c{i}")
@@ -1255,6 +1375,7 @@ class Store:
                     part.result = part.fn(cur)
                     continue
                 cur.execute(f"SAVEPOINT oo_p{i}")
+                mark = self._revs_mark()
                 try:
                     part.result = part.fn(cur)
                 except Exception as exc:  # noqa: BLE001  (handed to that participant)
@@ -1266,6 +1387,7 @@ class Store:
                         else exc
                     )
                     cur.execute(f"ROLLBACK TO SAVEPOINT oo_p{i}")
+                    self._revs_mark(mark)
                 cur.execute(f"RELEASE SAVEPOINT oo_p{i}")
             failpoint("checkpoint.commit.before")
         failpoint("checkpoint.commit.after")
@@ -1349,10 +1471,13 @@ class Store:
             "waits_digest": run.waits_digest,
             **p.run_values,
             "head_seq": p.seq,
+            "rev": run.rev + 1,
         }
         out = dict(p.run_values)
         out["handoff"] = values["handoff"]
+        out["rev"] = values["rev"]
         out["seal"] = seal(self.integrity, "runs", _run_parts(values, p.digest))
+        self._note_rev(run.run_id, values["rev"])
         return out
 
     def _written(self, batch: Sequence[_Pending], lost: Sequence[_Pending]) -> None:
@@ -2146,6 +2271,8 @@ class Store:
             ).first()
             if still is None or forked is not None:
                 return archived, deleted  # resumed or forked meanwhile (it stays)
+            if self.witness is not None:
+                self.witness.forget([run_id])  # before the removal commits
             conn.execute(delete(links).where(links.c.run_id == run_id))
             conn.execute(delete(_schema.checkpoints).where(_schema.checkpoints.c.run_id == run_id))
             conn.execute(delete(_schema.blob_refs).where(_schema.blob_refs.c.owner == run_id))
@@ -2258,6 +2385,7 @@ class Store:
             created_at=float(row["created_at"]),
             updated_at=float(row["updated_at"]),
             waits_digest=None if row.get("waits_digest") is None else bytes(row["waits_digest"]),
+            rev=int(row.get("rev") or 0),
         )
 
 
@@ -2489,6 +2617,8 @@ def _run_parts(values: Mapping[str, Any], head_digest: bytes | None) -> list[obj
         # Only once the run has sealed waits (schema 5), so earlier seals still verify;
         # setting it back to NULL changes the parts as much as any other edit.
         *([] if values.get("waits_digest") is None else [bytes(values["waits_digest"])]),
+        # The row's revision (schema 5; rows sealed before it have none).
+        *([] if values.get("rev") is None else [int(values["rev"])]),
     ]
 
 
@@ -2507,6 +2637,7 @@ _RUN_COLS = (
     "updated_at",
     "seal",
     "waits_digest",
+    "rev",
 )
 _CKPT_COLS = "seq, kind, keyframe_seq, step, source, schema_version, created_at, body, digest, seal"
 
@@ -2621,6 +2752,9 @@ class _RawTxn:
 
     def __enter__(self) -> Any:
         self._conn, self._pinned = self._store._checkout()
+        local = self._store._local
+        self._outer_revs = getattr(local, "revs", None)
+        local.revs = [] if self._write else self._outer_revs
         try:
             self._cur = self._conn.cursor()
             if self._sqlite:
@@ -2667,3 +2801,8 @@ class _RawTxn:
                 self._store._checkin(conn, self._pinned)
             else:
                 self._store._discard(conn, self._pinned)
+            local = self._store._local
+            revs, local.revs = getattr(local, "revs", None), self._outer_revs
+            witness = self._store.witness
+            if done and self._write and revs and witness is not None:
+                witness.advance_runs(revs)  # committed: witnessed before anyone acts on it

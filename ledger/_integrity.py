@@ -21,8 +21,6 @@ recomputed after an edit. On top of that, in the transaction of every claim:
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,58 +63,6 @@ def effect_parts(row: Mapping[str, Any]) -> list[object]:
 
 def head_parts(chain: str, seq: int, h: bytes) -> list[object]:
     return [chain, int(seq), bytes(h)]
-
-
-class Witness:
-    """Chain heads kept outside the database, in an append-only file, fsynced before an
-    effect is acted on. Several processes may share one file (each appends whole lines;
-    each reads every line when it opens it).
-
-    Args:
-        path: The witness file (created if missing).
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self.heads: dict[str, int] = {}
-        try:
-            with open(path, encoding="utf-8") as fh:
-                for line in fh:
-                    self._read_line(line)
-        except FileNotFoundError:
-            pass
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-
-    def _read_line(self, line: str) -> None:
-        parts = line.rstrip("\n").split("\t")
-        if len(parts) == 2 and parts[1].isdigit():
-            chain, seq = parts[0], int(parts[1])
-            if seq > self.heads.get(chain, 0):
-                self.heads[chain] = seq
-        elif parts and parts[0] == "#reset":
-            self.heads.clear()
-
-    def advance(self, chain: str, seq: int) -> None:
-        """Record that ``chain`` reached ``seq`` (durably, before returning)."""
-        with self._lock:
-            if seq <= self.heads.get(chain, 0):
-                return
-            os.write(self._fd, f"{chain}\t{seq}\n".encode())
-            os.fsync(self._fd)
-            self.heads[chain] = seq
-
-    def reset(self, heads: Mapping[str, int], note: str) -> None:
-        """Accept the store as it is (an operator accepted a restore)."""
-        with self._lock:
-            lines = [f"#reset\t{note}\n", *(f"{c}\t{s}\n" for c, s in sorted(heads.items()))]
-            os.write(self._fd, "".join(lines).encode())
-            os.fsync(self._fd)
-            self.heads = dict(heads)
-
-    def close(self) -> None:
-        with self._lock:
-            os.close(self._fd)
 
 
 def check_event(keys: RowKeys | None, ev: Sequence[Any], mac: bytes | None) -> bool:

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from checkpoint import Codec, RowKeys, Store
+from checkpoint._witness import Witness
 from checkpoint.errors import CorruptRecord
 
-from ._integrity import Witness
 from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
 from .audit import AuditReport, export_witness, verify_store
 from .crypto import Sealer

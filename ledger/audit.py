@@ -207,7 +207,7 @@ def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
         for key_id in sorted(set(last) - seen - retired):
             report.problems.append(f"effect {key_id}: row deleted (its events remain)")
         if witness is not None:
-            report.problems.extend(_check_witness(witness, heads, by_chain))
+            report.problems.extend(_check_witness(witness, heads, by_chain, store))
 
     store.read(scan)
     checked, problems = store.verify_integrity()
@@ -237,7 +237,10 @@ def export_witness(store: Store, path: str, now: float) -> dict[str, Any]:
 
 
 def _check_witness(
-    path: str, heads: Mapping[str, tuple[int, bytes]], by_chain: Mapping[str, list[Any]]
+    path: str,
+    heads: Mapping[str, tuple[int, bytes]],
+    by_chain: Mapping[str, list[Any]],
+    store: Store,
 ) -> Iterator[str]:
     try:
         with open(path, encoding="utf-8") as fh:
@@ -248,18 +251,32 @@ def _check_witness(
     try:
         witnessed = json.loads(text)["heads"]  # an exported witness (export_witness)
     except (ValueError, KeyError, TypeError):
-        # The ledger's own append-only witness (ONCEONLY_WITNESS): "chain<TAB>seq" lines,
-        # "#reset" where an operator accepted a restore. Only sequence numbers.
+        # The append-only witness (ONCEONLY_WITNESS, checkpoint._witness): "chain<TAB>seq"
+        # and "run<TAB>id<TAB>rev" lines, "#reset" where an operator accepted a restore.
         seqs: dict[str, int] = {}
+        revs: dict[str, int] = {}
         for n, line in enumerate(text.splitlines(), 1):
             parts = line.split("\t")
             if parts and parts[0] == "#reset":
                 seqs.clear()
+                revs.clear()
             elif len(parts) == 2 and parts[1].isdigit():
                 seqs[parts[0]] = max(seqs.get(parts[0], 0), int(parts[1]))
+            elif len(parts) == 3 and parts[0] == "run" and parts[2].isdigit():
+                revs[parts[1]] = max(revs.get(parts[1], 0), int(parts[2]))
             elif line.strip():
                 yield f"witness {path}: unreadable (line {n} is neither JSON nor a head)"
                 return
+        if revs:
+            have = store.run_revisions()
+            for run_id, rev in sorted(revs.items()):
+                # A run that is gone (retention) acts on nothing; its effects' chain is
+                # checked above.
+                if run_id in have and have[run_id] < rev:
+                    yield (
+                        f"run {run_id!r}: its row is at revision {have[run_id]}, behind the "
+                        f"witnessed {rev} (rolled back)"
+                    )
         for chain, seq in sorted(seqs.items()):
             head = heads.get(chain)
             if head is None or head[0] < seq:

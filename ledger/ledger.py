@@ -36,7 +36,6 @@ from . import _schema
 from ._integrity import (
     EVENT_COLS,
     StoreRolledBack,
-    Witness,
     check_event,
     effect_parts,
     event_parts,
@@ -199,7 +198,7 @@ class Ledger(QueryMixin):
         # chain -> (head known whole in this process, when it was last counted in full)
         self._verified: dict[str, tuple[int, float]] = {}
         path = (witness if witness is not None else os.environ.get("ONCEONLY_WITNESS", "")) or None
-        self.witness = None if path is None else Witness(path)
+        self.witness = None if path is None else store.attach_witness(path)
         self._behind: StoreRolledBack | None = None
         if self.witness is not None:
             self._behind = self._behind_witness()
@@ -249,9 +248,10 @@ class Ledger(QueryMixin):
 
         have = self.store.read(heads)
         note = f"accepted by {actor} at {self._clock():.3f}: {' '.join(reason.split())}"
-        self.witness.reset(have, note)
+        self.witness.reset(have, note, self.store.run_revisions())
         log.warning("restore accepted (witness %s reset): %s", self.witness.path, note)
         self._behind = None
+        self.store.accept_restore()
         self._verified.clear()
         self._heads.clear()
         return have

@@ -41,8 +41,10 @@ def request(
     secrets: list[Secret],
     clock_start: float,
     log: str,
+    durability: str = "sync",
 ) -> str:
-    """One request line for the server: crash the scenario at hit ``at``."""
+    """One request line for the server: crash the scenario at hit ``at`` (its store in
+    ``durability`` mode)."""
     codec = Codec()
     return json.dumps(
         {
@@ -54,6 +56,7 @@ def request(
             "secrets": [[s.id, s.value.hex()] for s in secrets],
             "clock": clock_start,
             "log": log,
+            "durability": durability,
         }
     )
 
@@ -74,7 +77,15 @@ def _run(req: dict[str, Any]) -> None:  # pragma: no cover  (runs in a forked ch
             os._exit(EXIT_CODE)
 
     keyring = Keyring([Secret(i, bytes.fromhex(v)) for i, v in req["secrets"]])
-    run_once(req["url"], Scenario(flow, state, signals), keyring, Clock(req["clock"]), die, None)
+    run_once(
+        req["url"],
+        Scenario(flow, state, signals),
+        keyring,
+        Clock(req["clock"]),
+        die,
+        None,
+        str(req.get("durability", "sync")),
+    )
 
 
 def _warm() -> None:  # pragma: no cover  (runs in the server)

@@ -4,12 +4,13 @@ to the run's end, with a failpoint handler armed. Also what a crash child proces
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint import RunStatus, Store, WaitKind, WaitStatus
+from checkpoint import Durability, RunStatus, Store, WaitKind, WaitStatus
 from checkpoint.failpoints import armed
 from ledger import Keyring, Ledger, Secret
 
@@ -97,10 +98,18 @@ class Counter:
 
 
 class Env:
-    """One worker process's view: store, ledger, runtime, operator."""
+    """One worker process's view: store (in ``durability`` mode), ledger, runtime,
+    operator."""
 
-    def __init__(self, url: str, flow: Flow, keyring: Keyring, clock: Clock) -> None:
-        self.store = Store.open(url)
+    def __init__(
+        self,
+        url: str,
+        flow: Flow,
+        keyring: Keyring,
+        clock: Clock,
+        durability: Durability | str = Durability.SYNC,
+    ) -> None:
+        self.store = Store.open(url, durability=durability)
         try:
             self.ledger = Ledger(self.store, keyring, owner=OWNER, clock=clock, create=False)
             self.runtime = Runtime(self.store, self.ledger, [flow], owner=OWNER, clock=clock)
@@ -111,8 +120,10 @@ class Env:
         self.clock = clock
 
     def close(self) -> None:
-        self.ledger.close()
-        self.store.close()
+        try:
+            self.ledger.close()
+        finally:
+            self.store.close()
 
 
 def drive(
@@ -183,12 +194,31 @@ def run_once(
     clock: Clock,
     handler: Callable[[str], None],
     evidence: Callable[[str], tuple[bool, Any]] | None,
+    durability: Durability | str = Durability.SYNC,
 ) -> Outcome:
-    """One worker: open, drive with ``handler`` armed, close; a :class:`Crash` leaves
-    everything as the dead process would (nothing is flushed: stores are synchronous)."""
-    env = Env(url, scenario.flow, keyring, clock)
-    try:
-        with armed(handler):
-            return drive(env, scenario, evidence)
-    finally:
+    """One worker: open (its store in ``durability`` mode), drive with ``handler`` armed,
+    close.
+
+    The store is closed with the handler still armed: in ``async`` / ``exit`` mode closing
+    writes the checkpoints still queued, and those writes pass failpoints like any other
+    (a crash may land there; after a :class:`Crash` every later failpoint raises again, so
+    a dead worker's close writes nothing, as a killed process would not). An error of
+    that close after a crash is the dead process's, not the run's: the :class:`Crash` is
+    what the caller sees, also when the crash hit another thread (the ``async`` writer)
+    and reached this one as that thread's failure.
+    """
+    env = Env(url, scenario.flow, keyring, clock, durability)
+    with armed(handler):
+        try:
+            out = drive(env, scenario, evidence)
+        except BaseException as exc:
+            with contextlib.suppress(Exception, Crash):
+                env.close()
+            if isinstance(handler, Counter) and handler.dead and not isinstance(exc, Crash):
+                # The crash hit another thread (the async writer): this thread learnt of
+                # it as that thread's failure, but in the process it simulates every
+                # thread died at that moment.
+                raise Crash(handler.names[-1], len(handler.names)) from exc
+            raise
         env.close()
+    return out

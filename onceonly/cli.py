@@ -172,6 +172,14 @@ def load_flows(spec: str) -> list[Flow]:
 @click.option("--poll-s", type=float, default=1.0, show_default=True, help="Idle poll.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Runs claimed per round.")
 @click.option("--until-idle", is_flag=True, help="Exit when no run is ready.")
+@click.option(
+    "--durability",
+    type=click.Choice(["sync", "async", "exit"]),
+    default="sync",
+    show_default=True,
+    help="When checkpoints become durable (the store's Durability): every ledger write is "
+    "durable before it returns in every mode; async/exit batch the checkpoints.",
+)
 def worker_cmd(
     url: str | None,
     flows_spec: str,
@@ -181,6 +189,7 @@ def worker_cmd(
     poll_s: float,
     batch: int,
     until_idle: bool,
+    durability: str,
 ) -> None:
     """Claim ready runs and drive them; SIGTERM drains (the current step finishes)."""
     import logging  # noqa: PLC0415
@@ -192,7 +201,7 @@ def worker_cmd(
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per provider request
     flows = load_flows(flows_spec)
     worker_owner = owner or default_owner()
-    with Store.open(db_url(url)) as store:
+    with Store.open(db_url(url), durability=durability) as store:
         ledger = open_ledger(store, required=True, owner=worker_owner, lease_s=claim_lease_s)
         try:
             rt = Runtime(store, ledger, flows, owner=worker_owner, lease_s=lease_s)

@@ -22,6 +22,7 @@ __all__ = [
     "ApprovalMismatch",
     "BranchesDiverged",
     "FlowNotRegistered",
+    "ForkDiverged",
     "RunError",
     "RunNotResumable",
 ]
@@ -110,4 +111,35 @@ class BranchesDiverged(StepDiverged):
             f"{list(names)}, other than the ones its earlier attempt recorded; nothing was "
             f"run. Deploy the code that recorded them (`onceonly runs retry {run_id}` then "
             f"replays them), or settle this business in a new run",
+        )
+
+
+class ForkDiverged(StepDiverged):
+    """A fork's code has lost steps its origin ran after the fork point (a deploy renamed
+    or removed them): the effects they recorded are keyed by their names, so running
+    the fork on would send them again under other names. Nothing was run.
+
+    Attributes:
+        run_id: The fork.
+        step_id: The step (with its visit) the fork was about to run.
+        origin: The run it was forked from.
+        gone: The origin's steps, after the fork point, with recorded effects, that the
+            deployed flow no longer has.
+    """
+
+    def __init__(self, run_id: str, step_id: str, origin: str, gone: Sequence[str]) -> None:
+        self.run_id = run_id
+        self.step_id = step_id
+        self.origin = origin
+        self.gone = tuple(gone)
+        self.expected = None
+        self.got = None
+        self.remaining = ()
+        OnceOnlyError.__init__(
+            self,
+            f"fork {run_id!r} of run {origin!r}: its origin ran steps {list(gone)} after the "
+            f"fork point, with recorded effects, and the deployed flow has no such steps "
+            f"(renamed or removed); running {step_id!r} on could send their effects again "
+            f"under other names, so nothing was run. Deploy code that has them, or fork "
+            f"from a checkpoint after them",
         )

@@ -35,6 +35,7 @@ from checkpoint import (
     LeaseHeld,
     Run,
     RunExists,
+    RunNotFound,
     RunStatus,
     Store,
     StoreError,
@@ -61,7 +62,7 @@ from ledger import (
 )
 
 from .context import StepContext, _Position, _recorded_keys
-from .errors import ApprovalMismatch, FlowNotRegistered
+from .errors import ApprovalMismatch, FlowNotRegistered, ForkDiverged
 from .flow import End, Fail, Flow, Next, Transition, WaitFor, flow_map
 
 __all__ = ["META", "Runtime", "default_owner"]
@@ -320,6 +321,8 @@ class Runtime:
             recorded = _recorded_keys(self.ledger, key_run, step_id)
             span.set_attribute("onceonly.step.resumed", bool(recorded))
             try:
+                if not recorded and meta.get("forked_from"):
+                    self._check_fork(run.run_id, step_id, flow, key_run, meta["forked_from"])
                 with (
                     run_fence(fence),
                     step(key_run, step_id, visit=visit, tenant=flow.tenant, recorded=recorded),
@@ -546,6 +549,33 @@ class Runtime:
             with contextlib.suppress(WaitRefused):
                 self.waits.signal(run.run_id, name, {"resolved": key_id}, actor=self.owner)
         return self.waits.wake_if_settled(run.run_id, name)
+
+    def _check_fork(
+        self, run_id: str, step_id: str, flow: Flow, key_run: str, forked: dict[str, Any]
+    ) -> None:
+        """Before a fork runs a step with nothing recorded: its origin ran no step after
+        the fork point, with recorded effects, that the deployed flow has lost (their
+        keys name them: a renamed step would send them again under its new name).
+
+        Raises:
+            ForkDiverged: It did.
+        """
+        origin, seq = str(forked.get("run") or ""), int(forked.get("seq") or 0)
+        try:
+            after = {
+                info.step.split(":", 1)[0] for info in self.store.history(origin) if info.seq > seq
+            }
+        except RunNotFound:
+            return  # the origin is gone (retention keeps it while a fork needs it)
+        gone = sorted(s for s in after if s and s not in flow.steps)
+        if not gone:
+            return
+        with_effects = {
+            r.step_id.split("#", 1)[0] for r in self.ledger.effects(run_id=key_run) if r.step_id
+        }
+        lost = [s for s in gone if s in with_effects]
+        if lost:
+            raise ForkDiverged(run_id, step_id, origin, lost)
 
     def _fail(
         self, run: Run, meta: dict[str, Any], name: str, exc: BaseException, parent: int

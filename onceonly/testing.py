@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from checkpoint import RunStatus, Store
+from checkpoint import Durability, RunStatus, Store
 from checkpoint.failpoints import KNOWN_FAILPOINTS
 from ledger import EffectStatus, Keyring, Ledger, Secret
 
@@ -104,6 +104,10 @@ class HarnessReport:
         not_reached: Crash points a run ended before reaching (a scenario whose runs
             pass different numbers of failpoints: parallel branches, retries).
         seen: Every failpoint name any run passed.
+        crashed_at: How many crashes were aimed at each failpoint name (the name of
+            the k-th hit of the undisturbed run, for each k crashed at).
+        modes: Runs made per durability mode of the driven worker's store (``sync``,
+            ``async``, ``exit``).
         cells: :func:`fault_at_every_call`: ``(fault, call, outcome)`` per run, where
             the outcome says how the effect of the failed call ended: ``applied-once``,
             ``needs-human`` (then resolved from the fakes and applied once),
@@ -130,6 +134,8 @@ class HarnessReport:
     stuck: int = 0
     not_reached: int = 0
     seen: set[str] = field(default_factory=set)
+    crashed_at: collections.Counter[str] = field(default_factory=collections.Counter)
+    modes: dict[str, int] = field(default_factory=dict)
     cells: list[tuple[str, int, str]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -330,13 +336,15 @@ def _reference(
     keyring: Keyring,
     clock: Clock,
     report: HarnessReport,
+    durability: str = "sync",
 ) -> _Reference:
     url = database()
     for p in providers:
         p.reset()
     clock.reset()
     counter = Counter()
-    out = run_once(url, scenario, keyring, clock, counter, _evidence(providers))
+    out = run_once(url, scenario, keyring, clock, counter, _evidence(providers), durability)
+    _count_mode(report, durability)
     deliveries = _collect(providers)
     applied = [d for d in deliveries if d.applied]
     statuses, _ = _ledger_view(url, keyring)
@@ -384,6 +392,23 @@ def _choose(points: Iterable[int] | str, hits: Sequence[str]) -> list[int]:
     return sorted({k for k in points if 1 <= k <= len(hits)})
 
 
+def _modes(durability: Durability | str | Sequence[Durability | str]) -> list[str]:
+    """The durability modes to cycle through, validated (one mode: a list of one)."""
+    given = [durability] if isinstance(durability, str) else list(durability)
+    if not given:
+        raise ValueError("durability: give at least one mode")
+    try:
+        return [Durability(d).value for d in given]
+    except ValueError:
+        raise ValueError(
+            f"durability must be among {[d.value for d in Durability]}, not {durability!r}"
+        ) from None
+
+
+def _count_mode(report: HarnessReport, mode: str) -> None:
+    report.modes[mode] = report.modes.get(mode, 0) + 1
+
+
 def _recorded_keys(url: str, keyring: Keyring) -> set[str]:
     done = (EffectStatus.COMMITTED, EffectStatus.FAILED)
     return {k for k, s in _ledger_view(url, keyring)[0].items() if s in done}
@@ -400,6 +425,7 @@ def crash_at_every_point(
     database: Callable[[], str] | None = None,
     secrets: Sequence[Secret] = (SECRET,),
     clock: Clock | None = None,
+    durability: Durability | str = Durability.SYNC,
 ) -> HarnessReport:
     """Crash ``scenario`` at every failpoint it passes, resume it, and check it.
 
@@ -429,12 +455,19 @@ def crash_at_every_point(
         secrets: The keyring's secrets (default: a fixed test secret).
         clock: The clock of the ledger, the waits and the fakes' windows (default: a new
             :class:`Clock`); reset at the start of every run.
+        durability: The durability mode of the worker's store, in every run (the
+            undisturbed one, the crashed one and its resume). In ``async`` and ``exit``
+            mode the checkpoint writes pass their failpoints at other moments (in the
+            background writer's group commits, or with the next ledger transition and at
+            close), so K and the points differ from ``sync``; in ``async`` mode they may
+            also differ from run to run (counted in ``not_reached``).
 
     Returns:
         What the runs did; ``report.assert_ok()`` fails a test if anything went wrong.
     """
     if mode not in ("raise", "exit"):
         raise ValueError(f"mode must be 'raise' or 'exit', not {mode!r}")
+    [store_mode] = _modes(durability)
     own_db = database is None
     db: Callable[[], str] = database or SQLiteDatabases()
     keyring = Keyring(list(secrets))
@@ -442,7 +475,7 @@ def crash_at_every_point(
     report = HarnessReport(scenario.flow.name, mode)
     ref_of_flow = _flow_ref(scenario.flow) if mode == "exit" else ""
     try:
-        ref = _reference(scenario, providers, db, keyring, clock, report)
+        ref = _reference(scenario, providers, db, keyring, clock, report, store_mode)
         chosen = _choose(points, ref.hits)
         if sample is not None and sample < len(chosen):
             rng = random.Random(seed)  # noqa: S311  (a repeatable sample, not a secret)
@@ -451,6 +484,7 @@ def crash_at_every_point(
         evidence = _evidence(providers)
         for k in chosen:
             where = f"crash at hit {k} ({ref.hits[k - 1]})"
+            report.crashed_at[ref.hits[k - 1]] += 1
             url = db()
             for p in providers:
                 p.reset()
@@ -458,7 +492,7 @@ def crash_at_every_point(
             if mode == "raise":
                 counter = Counter(k)
                 try:
-                    run_once(url, scenario, keyring, clock, counter, evidence)
+                    run_once(url, scenario, keyring, clock, counter, evidence, store_mode)
                 except Crash:
                     pass
                 else:
@@ -478,6 +512,7 @@ def crash_at_every_point(
                             list(secrets),
                             clock.start,
                             log.name,
+                            store_mode,
                         )
                     )
                     why = log.read().strip().splitlines()[-1:] or [""]
@@ -489,7 +524,8 @@ def crash_at_every_point(
             recorded = _recorded_keys(url, keyring)
             marks = [len(p.deliveries()) for p in providers]
             resume = Counter()
-            out = run_once(url, scenario, keyring, clock, resume, evidence)
+            out = run_once(url, scenario, keyring, clock, resume, evidence, store_mode)
+            _count_mode(report, store_mode)
             report.seen.update(resume.names)
             _check(report, where, ref, out, providers, url, keyring, recorded, marks)
     finally:
@@ -534,6 +570,7 @@ def fault_at_every_call(
     database: Callable[[], str] | None = None,
     secrets: Sequence[Secret] = (SECRET,),
     clock: Clock | None = None,
+    durability: Durability | str | Sequence[Durability | str] = Durability.SYNC,
 ) -> HarnessReport:
     """Inject each fault at each write call the scenario makes to ``provider``.
 
@@ -553,10 +590,15 @@ def fault_at_every_call(
         database: Fresh database URLs (default: temporary SQLite copies).
         secrets: The keyring's secrets (default: a fixed test secret).
         clock: Shared with ``provider`` (``forget`` moves it past the window).
+        durability: The durability mode of the worker's store, or several: the runs
+            cycle through them (the undisturbed run takes the first, the i-th faulted
+            run the i-th after it), so every mode meets the faults without running the
+            matrix once per mode. ``report.modes`` counts the runs per mode.
 
     Returns:
         The report (mode ``faults``).
     """
+    modes = _modes(durability)
     own_db = database is None
     db: Callable[[], str] = database or SQLiteDatabases()
     keyring = Keyring(list(secrets))
@@ -566,7 +608,7 @@ def fault_at_every_call(
     plan = list(provider.fault_plan)
     try:
         provider.fault_plan = []
-        ref = _reference(scenario, providers, db, keyring, clock, report)
+        ref = _reference(scenario, providers, db, keyring, clock, report, modes[0])
         n = len(provider.deliveries())
         report.crash_points = n
         evidence = _evidence(providers)
@@ -579,7 +621,9 @@ def fault_at_every_call(
                     p.reset()
                 clock.reset()
                 counter = Counter()
-                out = run_once(url, scenario, keyring, clock, counter, evidence)
+                store_mode = modes[report.runs % len(modes)]
+                out = run_once(url, scenario, keyring, clock, counter, evidence, store_mode)
+                _count_mode(report, store_mode)
                 report.seen.update(counter.names)
                 before = (report.duplicates, report.lost, report.stuck)
                 _check(

@@ -6,6 +6,8 @@
 * :class:`SuiteReport`: the counters every suite writes to
   ``reports/reliability/<suite>.json``; :meth:`SuiteReport.check` fails the test on any
   duplicate, loss, accepted tamper, or a suite whose providers received nothing.
+* :data:`MODES`: the store's durability modes; the suites of :data:`MODE_SUITES` rotate
+  them across their scenarios, seeds and workers and count them in ``modes``.
 * ``python -m property_tests.reliability`` prints the summary table of every report
   (``.ci/run`` calls it after the tests) and exits non-zero if a report shows a failure
   or a positive control that was not caught.
@@ -43,11 +45,26 @@ FIELDS = (
     "controls_run",
     "controls_caught",
     "wall_s",
+    "modes",
 )
 
 
 EXPECTED_SUITES = ("S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8", "S9")
 """Every suite must write a report; S10 is the positive controls each of them runs."""
+
+MODES = ("sync", "async", "exit")
+"""The durability modes of the store (:class:`checkpoint.Durability` values)."""
+
+MODE_SUITES = ("S1", "S2", "S3", "S4", "S7")
+"""The suites that must run their scenarios in every durability mode (RELIABILITY.md:
+"every suite in every mode"); the summary fails one whose report misses a mode."""
+
+
+def mode_of(i: int) -> str:
+    """The durability mode of scenario (seed, worker) number ``i``: :data:`MODES` in turn,
+    so every mode gets a third of a suite's scenarios instead of the suite running three
+    times."""
+    return MODES[i % len(MODES)]
 
 
 def depth() -> str:
@@ -82,7 +99,10 @@ class SuiteReport:
     """The counters of one suite run (accumulate across its tests, then :meth:`write`).
 
     Attributes mirror the report fields of RELIABILITY.md; ``controls_run`` and
-    ``controls_caught`` count S10 positive controls run by this suite's harness.
+    ``controls_caught`` count S10 positive controls run by this suite's harness;
+    ``modes`` counts, per durability mode, the suite's units that ran in it (scenarios,
+    or the worker stores of a suite whose scenarios mix modes; each suite's docstring
+    says which), added with :meth:`mode`.
     """
 
     suite: str
@@ -101,14 +121,28 @@ class SuiteReport:
     controls_run: int = 0
     controls_caught: int = 0
     wall_s: float = 0.0
+    modes: dict[str, int] = field(default_factory=dict)
     _started: float = field(default_factory=time.monotonic, repr=False)
 
     def add(self, **counts: int) -> None:
         """Add to counters, e.g. ``report.add(runs=1, effects=5, raw_deliveries=5)``."""
         for name, n in counts.items():
-            if name not in FIELDS or name in ("suite", "tier", "seeds", "wall_s"):
+            if name not in FIELDS or name in ("suite", "tier", "seeds", "wall_s", "modes"):
                 raise KeyError(f"unknown counter {name!r}")
             setattr(self, name, getattr(self, name) + n)
+
+    def mode(self, name: str, n: int = 1) -> None:
+        """Count ``n`` units (scenarios, worker stores) run in durability mode ``name``."""
+        if name not in MODES:
+            raise KeyError(f"unknown durability mode {name!r}")
+        self.modes[name] = self.modes.get(name, 0) + n
+
+    def missing_modes(self) -> list[str]:
+        """The durability modes this suite should have run in and did not (only the
+        suites of :data:`MODE_SUITES` must run in all of them)."""
+        if self.suite not in MODE_SUITES:
+            return []
+        return [m for m in MODES if not self.modes.get(m)]
 
     def control(self, caught: bool) -> None:
         """Record one positive control (a deliberately broken build) and whether the
@@ -163,6 +197,8 @@ def summary(report_dir: Path = REPORT_DIR) -> tuple[str, bool]:
             if name in data and name not in ("wall_s",):
                 setattr(rep, name, data[name])
         problems = rep.failures()
+        if rep.missing_modes():
+            problems.append(f"never ran in durability mode {', '.join(rep.missing_modes())}")
         ok = ok and not problems
         rows.append((data, "FAIL: " + "; ".join(problems) if problems else "ok"))
     cols = (
@@ -183,10 +219,13 @@ def summary(report_dir: Path = REPORT_DIR) -> tuple[str, bool]:
         "wall_s",
     )
     head = ["suite", "tier", "crash pts", "scen", "runs", "effects", "raw", "dup", "lost"]
-    head += ["human", "detected", "accepted", "ctl run", "ctl caught", "wall s", "result"]
+    head += ["human", "detected", "accepted", "ctl run", "ctl caught", "wall s", "modes"]
+    head += ["result"]
     lines = [" | ".join(head)]
     for data, verdict in rows:
-        lines.append(" | ".join([*(str(data.get(c, "")) for c in cols), verdict]))
+        modes = data.get("modes") or {}
+        shown = " ".join(f"{m}:{modes[m]}" for m in MODES if m in modes) or "-"
+        lines.append(" | ".join([*(str(data.get(c, "")) for c in cols), shown, verdict]))
     found = {str(data["suite"]) for data, _ in rows}
     missing = [name for name in EXPECTED_SUITES if name not in found]
     if missing:

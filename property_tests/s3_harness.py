@@ -115,12 +115,13 @@ class Controller:
     needs_human: int = 0
     hold_keys: set[str] = field(default_factory=set)  # provider keys not to settle yet
     settle_after_s: float = 0.0
+    durability: str = "sync"  # the controller's own store (the operator's process)
     _seen: dict[str, float] = field(default_factory=dict)
     _open: set[str] = field(default_factory=set)
     _settled: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.store = Store.open(self.url)
+        self.store = Store.open(self.url, durability=self.durability)
         self.ledger = Ledger(self.store, KEYRING, owner="controller")
         self.rt = Runtime(self.store, self.ledger, FLOWS, owner="controller")
         self.ops = Operator(self.store, self.ledger)

@@ -15,9 +15,9 @@ SIGCONTs by pid, exactly as it would a freshly exec'd one:
 * ``mode=cli``: the child runs the ``onceonly worker`` command line (``argv`` are its
   arguments): the code path users run;
 * ``mode=direct`` (S4): ``argv`` is ``[url, owner, lease_s, claim_lease_s, batch,
-  poll_s]``; the child builds the same Store / Ledger / Runtime / Worker, but with the
-  ledger's claim lease short too (the CLI keeps it at 30 s), so a paused worker's claim
-  lapses within the test.
+  poll_s, durability]``; the child builds the same Store (in that durability mode) /
+  Ledger / Runtime / Worker, but with the ledger's claim lease short too (the CLI keeps
+  it at 30 s), so a paused worker's claim lapses within the test.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ SECRET_HEX = "5a" * 32
 
 
 def _direct(argv: list[str]) -> int:
-    url, owner, lease_s, claim_lease_s, batch, poll_s = argv
+    url, owner, lease_s, claim_lease_s, batch, poll_s, durability = argv
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     keyring = Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))])
-    with Store.open(url) as store:
+    with Store.open(url, durability=durability) as store:
         ledger = Ledger(store, keyring, owner=owner, lease_s=float(claim_lease_s))
         try:
             rt = Runtime(

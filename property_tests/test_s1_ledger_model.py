@@ -12,6 +12,11 @@ unless a row was tampered with (then it names the row, and every read that could
 to an action refuses it with ``CorruptRecord``). The provider's raw log (a counting
 fake) must show every effect applied at most once.
 
+Every mode: each worker's store takes the next durability mode in turn (worker 0 of example
+e starts in ``MODES[e % 3]``, worker 1 in the next, and each restart after a crash or a key
+rotation in the next again), so every example mixes modes in one database and every mode
+meets every rule; the report's ``modes`` counts the worker stores opened per mode.
+
 CI size: 40 examples x 40 steps per backend (deep: 300 x 50). The positive control
 plants a bug (an expired lease is treated as free) and the machine must fail.
 """
@@ -56,7 +61,7 @@ from ledger import (
     Replay,
     Secret,
 )
-from property_tests.reliability import SuiteReport, scaled, seeds
+from property_tests.reliability import SuiteReport, mode_of, scaled, seeds
 from property_tests.s1_support import CountingProvider, wipe
 from tests.dbutil import execute
 from tests.ledger_support import K1, Clock, ident
@@ -114,6 +119,7 @@ class Counts:
     needs_human: int = 0
     tampered: int = 0
     detected: int = 0
+    modes: dict[str, int] = field(default_factory=dict)
 
 
 class LedgerModel(RuleBasedStateMachine):
@@ -128,6 +134,7 @@ class LedgerModel(RuleBasedStateMachine):
         self.clock = Clock(1_800_000_000.0)
         self.secrets: list[Secret] = [K1]
         self.incarnation = 0
+        self.starts = self.counts.examples  # the next worker store's mode: mode_of(starts)
         self.workers = [self._start("w0"), self._start("w1")]
         self.run = self.workers[0].ledger.store.create_run("flow", run_id="run-1").run_id
         self.model: dict[int, Entry] = {}
@@ -149,7 +156,10 @@ class LedgerModel(RuleBasedStateMachine):
 
     # -- helpers ---------------------------------------------------------------------
     def _start(self, owner: str) -> Worker:
-        store = Store.open(self.db_url)
+        mode = mode_of(self.starts)
+        self.starts += 1
+        self.counts.modes[mode] = self.counts.modes.get(mode, 0) + 1
+        store = Store.open(self.db_url, durability=mode)
         led = Ledger(
             store,
             Keyring(self.secrets),
@@ -516,6 +526,8 @@ def _run(db_url: str, *, count: bool = True, **overrides: Any) -> None:
                 detected=c.detected,
                 accepted=c.tampered - c.detected,
             )
+            for mode, n in c.modes.items():
+                REPORT.mode(mode, n)
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,11 @@ a restarted deployment would). The test plays the supplier, the compliance offic
 the operator (an effect that needs a human is settled with the provider's evidence).
 After the last kill, one worker finishes everything.
 
+The worker processes take the three durability modes in turn (``onceonly worker
+--durability``: the k-th worker ``MODES[k % 3]``, the one that finishes ``MODES[kills %
+3]``), so a run is often resumed by a worker in another mode than the one killed under it,
+on the same database; the report's ``modes`` counts the workers started in each mode.
+
 Counted from the fakes only: every intended effect applied exactly once (the fenced
 fake's raw log; the mail server's INBOX; the screening and ERP servers' raw POSTs),
 nothing else applied. CI: 100 kills on SQLite and 50 on PostgreSQL; deep: x20.
@@ -26,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from .reliability import SuiteReport, scaled, seeds
+from .reliability import SuiteReport, mode_of, scaled, seeds
 from .s3_fakes import FencedAPI, tally
 from .s3_harness import Controller, Onboarding, migrate_all
 from .s3_procs import Zygote
@@ -53,7 +58,7 @@ def zygote(tmp_path: Path) -> Iterator[Zygote]:
         z.close()
 
 
-def _worker_argv(url: str) -> list[str]:
+def _worker_argv(url: str, durability: str) -> list[str]:
     return [
         "worker",
         "--url",
@@ -66,6 +71,8 @@ def _worker_argv(url: str) -> list[str]:
         "0.05",
         "--batch",
         "4",
+        "--durability",
+        durability,
     ]
 
 
@@ -78,14 +85,18 @@ def soak(
     backlog: int,
     env: dict[str, str] | None = None,
     stop_when_duplicate: bool = False,
+    report: SuiteReport | None = None,
 ) -> int:
     """SIGKILL ``kills`` workers at uniform random times, keeping ``backlog`` runs open;
-    then let one worker finish. Returns the kills that landed on a live worker."""
+    then let one worker finish. Returns the kills that landed on a live worker. Worker
+    ``k`` runs in durability mode ``mode_of(k)`` (counted in ``report``)."""
     landed = 0
     for k in range(kills):
         if ctl.open_runs() < backlog:
             ctl.start_gen(backlog - ctl.open_runs())
-        pid = zyg.spawn(_worker_argv(ctl.url), log=f"worker-{k}.log", env=env)
+        if report is not None:
+            report.mode(mode_of(k))
+        pid = zyg.spawn(_worker_argv(ctl.url, mode_of(k)), log=f"worker-{k}.log", env=env)
         deadline = time.monotonic() + rng.uniform(0.0, KILL_WINDOW_S)
         while time.monotonic() < deadline:
             ctl.chores()
@@ -94,7 +105,9 @@ def soak(
         zyg.kill(pid)
         if stop_when_duplicate and tally(ctl.api.log, ctl.expected)["duplicates"]:
             return landed
-    pid = zyg.spawn(_worker_argv(ctl.url), log="worker-last.log", env=env)
+    if report is not None:
+        report.mode(mode_of(kills))
+    pid = zyg.spawn(_worker_argv(ctl.url, mode_of(kills)), log="worker-last.log", env=env)
     ctl.finish(120)
     zyg.signal(pid, 15)
     zyg.wait(pid, 30)
@@ -114,7 +127,7 @@ def test_s3_sigkill_soak(db_url: str, tmp_path: Path, zygote: Zygote, report: Su
     t0 = time.monotonic()
     try:
         ctl.start_onboarding(scaled(4, 40))
-        landed = soak(ctl, zygote, rng, kills=kills, backlog=scaled(8, 16))
+        landed = soak(ctl, zygote, rng, kills=kills, backlog=scaled(8, 16), report=report)
         unfinished = ctl.unfinished()
         gen = tally(api.log, ctl.expected)
         ob = world.judge(ctl.suppliers)

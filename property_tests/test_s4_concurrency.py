@@ -15,6 +15,22 @@ leases of 200-500 ms, under three fault mixes:
 * ``all``: both, plus (PostgreSQL) ``pg_terminate_backend`` of a random worker's
   connections.
 
+Every mix runs its workers in all three durability modes against the same store (worker
+``w<j>`` of mix ``i`` opens its store in ``MODES[(i + j) % 3]``, and keeps that mode when
+it is restarted; the controller's store is in ``MODES[i % 3]``): a fleet of mixed modes
+is a realistic deploy, and no mode escapes the suite without tripling its time. The
+report's ``modes`` counts the worker processes started in each mode.
+
+Paused workers are resumed by a timer thread of the test (:meth:`Chaos.resume_due`),
+never by the test's main loop. A process stopped while one of its threads (the step, the
+lease heartbeat, the async group-commit writer) is inside a write transaction keeps the
+database's write lock (SQLite) or its row locks (PostgreSQL) until it is resumed; the
+main loop makes operator calls (``Operator.resolve``, ``signal``) that wait for that
+lock, so if only the main loop resumed workers, a worker stopped mid-transaction would
+never be resumed and the operator call would fail after the store's retry budget
+(``LedgerUnavailable``: "the database stayed locked by another writer longer than
+busy_timeout"). That was the SQLite flake of this suite under load.
+
 The fenced fake provider is the oracle: every intended effect applied exactly once, and
 no request whose fencing epoch is lower than one the provider had already seen for the
 key was applied (stale-token applies = 0; refused stale calls are reported as
@@ -28,6 +44,7 @@ from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,7 +54,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from .reliability import SuiteReport, scaled, seeds
+from .reliability import SuiteReport, mode_of, scaled, seeds
 from .s3_fakes import FencedAPI, tally
 from .s3_harness import Controller, migrate_all
 from .s3_procs import Zygote
@@ -46,6 +63,18 @@ pytestmark = pytest.mark.slow
 
 MIXES = ["gc-pause", "kill-stop", "all"]
 MAX_HOLD_S = 4.0  # a paused worker nobody took over is resumed after this long
+RESUME_TICK_S = 0.02  # how often the resumer thread looks at paused workers
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP): its state in ``/proc`` is ``T``."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    fields = stat.rpartition(")")[2].split()
+    return bool(fields) and fields[0] in ("T", "t")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +104,10 @@ class Chaos:
     pause_p: float
     pause_file: Path
     seed: int
+    mix_index: int = 0
+    report: SuiteReport | None = None
     pids: dict[str, int] = field(default_factory=dict)
+    modes: dict[str, str] = field(default_factory=dict)  # owner -> its store's durability
     leases: dict[str, float] = field(default_factory=dict)
     paused: dict[int, tuple[str, int, float]] = field(default_factory=dict)
     stopped: dict[int, float] = field(default_factory=dict)
@@ -90,15 +122,23 @@ class Chaos:
     )
     _pause_seen: int = 0
     _spawns: int = 0
+    # The resumer thread and the main loop share paused / stopped / pids under _lock.
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _halt: threading.Event = field(default_factory=threading.Event)
+    _resumer: threading.Thread | None = None
+    unrecorded_resumes: int = 0  # stopped workers resumed by the safety net
 
     def spawn(self, owner: str) -> None:
         lease = self.leases.setdefault(owner, round(self.rng.uniform(0.2, 0.5), 3))
+        mode = self.modes.setdefault(owner, mode_of(self.mix_index + int(owner[1:])))
         url = self.url
         if url.startswith("postgresql"):
             url += ("&" if "?" in url else "?") + f"application_name=s4-{owner}"
         self._spawns += 1
-        self.pids[owner] = self.zyg.spawn(
-            [url, owner, str(lease), str(lease), "2", "0.05"],
+        if self.report is not None:
+            self.report.mode(mode)
+        pid = self.zyg.spawn(
+            [url, owner, str(lease), str(lease), "2", "0.05", mode],
             log=f"{owner}.log",
             mode="direct",
             env={
@@ -107,44 +147,80 @@ class Chaos:
                 "S4_SEED": str(self.seed + self._spawns),
             },
         )
+        with self._lock:
+            self.pids[owner] = pid
 
-    def start(self) -> None:
+    def start(self, api: FencedAPI) -> None:
         for i in range(self.n_workers):
             self.spawn(f"w{i}")
+        self._resumer = threading.Thread(
+            target=self._resume_loop, args=(api,), name="s4-resumer", daemon=True
+        )
+        self._resumer.start()
 
-    def tend(self, api: FencedAPI, ctl: Controller) -> None:
-        """Restart dead workers; resume paused ones when their time has come."""
-        for owner, pid in list(self.pids.items()):
-            if not self.zyg.alive(pid):
+    def _resume_loop(self, api: FencedAPI) -> None:
+        while not self._halt.wait(RESUME_TICK_S):
+            self.resume_due(api)
+
+    def _read_pauses(self) -> None:
+        """Take the complete lines the self-pausing workers appended (under _lock)."""
+        if not self.pause_file.exists():
+            return
+        text = self.pause_file.read_text()
+        lines = text[: text.rfind("\n") + 1].splitlines()  # a line being written waits
+        for line in lines[self._pause_seen :]:
+            spid, key, sepoch = line.split()
+            self.paused[int(spid)] = (key, int(sepoch or 0), time.monotonic())
+            self.counts["pauses"] += 1
+        self._pause_seen = len(lines)
+
+    def resume_due(self, api: FencedAPI) -> None:
+        """Resume paused and stopped workers whose time has come (the resumer thread).
+
+        It makes no database call, so no lock a stopped worker holds can delay it: a
+        worker stopped inside a write transaction holds up every writer that needs the
+        lock (on SQLite: every writer) for at most its hold, ``MAX_HOLD_S`` or its stop.
+        """
+        with self._lock:
+            self._read_pauses()
+            now = time.monotonic()
+            for pid, (key, epoch, since) in list(self.paused.items()):
+                # Resumed once the take-over's send with a higher epoch reached the
+                # provider: the stale send must then be refused (see the module
+                # docstring for why it is not resumed earlier).
+                if api.max_epoch(key) > epoch or now - since > MAX_HOLD_S:
+                    self.zyg.signal(pid, signal.SIGCONT)
+                    del self.paused[pid]
+            for pid, until in list(self.stopped.items()):
+                if now >= until:
+                    self.zyg.signal(pid, signal.SIGCONT)
+                    del self.stopped[pid]
+            # A worker whose pause line was read and resumed before its own SIGSTOP
+            # landed (the take-over had already happened) is stopped with nobody holding
+            # it: resume it too.
+            held = set(self.paused) | set(self.stopped)
+            for pid in self.pids.values():
+                if pid not in held and _is_stopped(pid) and self.zyg.signal(pid, signal.SIGCONT):
+                    self.unrecorded_resumes += 1
+
+    def tend(self, ctl: Controller) -> None:
+        """Restart dead workers; tell the controller which keys paused workers hold."""
+        with self._lock:
+            dead = [(o, p) for o, p in self.pids.items() if not self.zyg.alive(p)]
+            for _, pid in dead:
                 self.paused.pop(pid, None)
                 self.stopped.pop(pid, None)
                 self.counts["restarts"] += 1
-                self.spawn(owner)
-        if self.pause_file.exists():
-            lines = self.pause_file.read_text().splitlines()
-            for line in lines[self._pause_seen :]:
-                spid, key, sepoch = line.split()
-                self.paused[int(spid)] = (key, int(sepoch or 0), time.monotonic())
-                self.counts["pauses"] += 1
-            self._pause_seen = len(lines)
-        now = time.monotonic()
-        for pid, (key, epoch, since) in list(self.paused.items()):
-            # Resumed once the take-over's send with a higher epoch reached the provider:
-            # the stale send must then be refused (see the module docstring for why it
-            # is not resumed earlier).
-            if api.max_epoch(key) > epoch or now - since > MAX_HOLD_S:
-                self.zyg.signal(pid, signal.SIGCONT)
-                del self.paused[pid]
-        ctl.hold_keys = {key for key, _, _ in self.paused.values()}
-        for pid, until in list(self.stopped.items()):
-            if now >= until:
-                self.zyg.signal(pid, signal.SIGCONT)
-                del self.stopped[pid]
+        for owner, _ in dead:
+            self.spawn(owner)
+        with self._lock:
+            ctl.hold_keys = {key for key, _, _ in self.paused.values()}
 
     def strike(self, pg_admin: str | None) -> None:
         """One random fault of the kill-stop / all mixes."""
-        owner = self.rng.choice(sorted(self.pids))
-        pid = self.pids[owner]
+        with self._lock:
+            owner = self.rng.choice(sorted(self.pids))
+            pid = self.pids[owner]
         roll = self.rng.random()
         if pg_admin is not None and roll < 0.35:
             eng = create_engine(pg_admin, isolation_level="AUTOCOMMIT")
@@ -160,20 +236,31 @@ class Chaos:
             self.counts["terminations"] += int(n or 0)
         elif roll < 0.7:
             self.zyg.kill(pid)
-            self.paused.pop(pid, None)
-            self.stopped.pop(pid, None)
+            with self._lock:
+                self.paused.pop(pid, None)
+                self.stopped.pop(pid, None)
             self.counts["kills"] += 1
             self.spawn(owner)
-        elif (
-            pid not in self.paused
-            and pid not in self.stopped
-            and self.zyg.signal(pid, signal.SIGSTOP)
-        ):
-            self.stopped[pid] = time.monotonic() + self.rng.uniform(0.3, 1.5)
-            self.counts["stops"] += 1
+        else:
+            hold = self.rng.uniform(0.3, 1.5)
+            with self._lock:  # recorded before the resumer can see the stopped process
+                if (
+                    pid not in self.paused
+                    and pid not in self.stopped
+                    and self.zyg.signal(pid, signal.SIGSTOP)
+                ):
+                    self.stopped[pid] = time.monotonic() + hold
+                    self.counts["stops"] += 1
 
     def close(self) -> None:
-        for pid in list(self.paused) + list(self.stopped):
+        self._halt.set()
+        if self._resumer is not None:
+            self._resumer.join(10)
+        with self._lock:
+            held = list(self.paused) + list(self.stopped)
+            self.paused.clear()
+            self.stopped.clear()
+        for pid in held:
             self.zyg.signal(pid, signal.SIGCONT)
         for pid in self.pids.values():
             self.zyg.signal(pid, signal.SIGTERM)
@@ -195,12 +282,16 @@ def race(
     pause_p: float = 0.04,
     pg_admin: str | None = None,
     timeout_s: float = 150,
+    mix_index: int = 0,
+    report: SuiteReport | None = None,
 ) -> tuple[dict[str, int], dict[str, int], Controller, float]:
     """Run one fault mix to completion; the fake's tally and the fault counts."""
     migrate_all(url)
     rng = random.Random(seed)
     api = FencedAPI(check_fencing=check_fencing).start()
-    ctl = Controller(url, api, rng, classes=classes, settle_after_s=2.0)
+    ctl = Controller(
+        url, api, rng, classes=classes, settle_after_s=2.0, durability=mode_of(mix_index)
+    )
     n_workers = 4 if url.startswith("postgresql") else 3
     chaos = Chaos(
         url,
@@ -210,16 +301,18 @@ def race(
         pause_p=pause_p if mix in ("gc-pause", "all") else 0.0,
         pause_file=tmp_path / f"pauses-{mix}",
         seed=seed,
+        mix_index=mix_index,
+        report=report,
     )
     t0 = time.monotonic()
     try:
         while len(ctl.expected) < effects:
             ctl.start_gen(1)
-        chaos.start()
+        chaos.start(api)
         deadline = time.monotonic() + timeout_s
         next_strike = time.monotonic() + rng.uniform(0.1, 0.5)
         while time.monotonic() < deadline:
-            chaos.tend(api, ctl)
+            chaos.tend(ctl)
             ctl.chores()
             if mix != "gc-pause" and time.monotonic() >= next_strike:
                 chaos.strike(pg_admin if mix == "all" else None)
@@ -233,6 +326,8 @@ def race(
             time.sleep(0.05)
         chaos.close()
         got = tally(api.log, ctl.expected)
+        print(f"modes {chaos.modes}, controller {ctl.durability}, ", end="")
+        print(f"stopped workers resumed unrecorded: {chaos.unrecorded_resumes}")
         got["lookups"] = api.lookups
         got["unfinished"] = len(ctl.unfinished())
         for rid, _ in ctl.unfinished()[:5]:
@@ -242,6 +337,7 @@ def race(
             if counts[(r.run, r.label)] > 1:
                 print("duplicate:", r)
     finally:
+        chaos.close()  # again after a failure: the resumer stops, nobody stays stopped
         ctl.close()
         api.stop()
     return got, chaos.counts, ctl, time.monotonic() - t0
@@ -268,6 +364,8 @@ def test_s4_concurrency(
             seed=seed,
             effects=scaled(300, 2000),
             pg_admin=pg_admin,
+            mix_index=i,
+            report=report,
         )
         unfinished = got.pop("unfinished")
         print(

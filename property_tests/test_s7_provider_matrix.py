@@ -12,6 +12,11 @@ applied twice or lost. Beyond "one of the three", each cell must end the way its
 promises (``EXPECTED``): e.g. a class A provider that lost its answer is re-sent the same
 key and applies once, class C needs a human, and nobody re-sends after the window.
 
+Every mode: the cells of each class take the three durability modes in turn (the harness's
+``durability=MODES``: cell i of a class runs in ``MODES[i % 3]``, so each fault meets
+every mode across its five calls); the report's ``modes`` counts the runs per mode. The
+positive controls run in ``async`` and ``exit``.
+
 CI tier: the whole matrix on SQLite (3 x 6 x 5 = 90 cells), class B's row on PostgreSQL.
 Deep tier: both backends in full, and a 10-effect scenario with branches as well.
 
@@ -44,7 +49,7 @@ from onceonly.testing import (
 )
 
 from .crash_flows import CLIENTS, WINDOW_S, plan_flow
-from .reliability import SuiteReport, depth
+from .reliability import MODES, SuiteReport, depth
 
 pytestmark = pytest.mark.slow
 
@@ -134,8 +139,15 @@ def matrix(
     out = []
     for cls in classes:
         got = fault_at_every_call(
-            build(cls, fakes[cls].url), fakes[cls], faults=faults, database=database, clock=clock
+            build(cls, fakes[cls].url),
+            fakes[cls],
+            faults=faults,
+            database=database,
+            clock=clock,
+            durability=MODES,
         )
+        for mode, n in got.modes.items():
+            report.mode(mode, n)
         report.add(
             scenarios=1,
             crash_points=len(got.cells),
@@ -215,8 +227,9 @@ def test_s7_positive_control_timeouts_taken_for_never_sent(
                 calls=[2],
                 database=sqlite,
                 clock=clock,
+                durability=mode,
             )
-            for cls in ("B", "C")
+            for cls, mode in (("B", "async"), ("C", "exit"))
         ]
     caught = all(r.duplicates > 0 for r in results)
     report.control(caught)
@@ -254,6 +267,7 @@ def test_s7_positive_control_resend_after_the_window(
             calls=[3],
             database=sqlite,
             clock=clock,
+            durability="exit",
         )
     caught = got.duplicates > 0
     report.control(caught)

@@ -587,7 +587,11 @@ def _d_deleted(w: Any, rng: random.Random, variant: int) -> Directed:
         execute(w.store.engine, "DELETE FROM oo_effects WHERE key_id = :k", k=keys[f"send{v}@1"])
     other = w.ledgers.fresh(owner="w2")  # another process: replays nothing from memory
     for v in victims:
-        _refused(out, lambda v=v: _effects(w, other, chain, range(v, v + 1)))
+
+        def again(v: int = v) -> object:
+            return _effects(w, other, chain, range(v, v + 1))
+
+        _refused(out, again)
     _refused(out, lambda: _effects(w, other, chain, range(n, n + 1)))
     out.sent = len(w.provider.sent)
     out.refused = out.refused and out.sent == n
@@ -714,7 +718,7 @@ DIRECTED: dict[str, Callable[[Any, random.Random, int], Directed]] = {
 def _directed_world(ledgers: Any, tmp: Path) -> Any:
     from tests.test_tamper_acting import World
 
-    w = World(ledgers)
+    w: Any = World(ledgers)
     w.tmp = tmp
     return w
 

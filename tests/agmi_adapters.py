@@ -19,6 +19,8 @@ Store and Ledger, no caches), with the keyring, doing what a worker would do.
 * :class:`CheckpointsSqlite` / :class:`CheckpointsPostgres` -- rows of ``oo_checkpoints``
   of one run. verify(): a fresh keyed Store loads the run (``load_run``) and every
   checkpoint its history lists (``load(run, seq)``, what a fork or resume-from does).
+  The store keeps a witness (``Store.open(..., witness=)``, as a Ledger does with
+  ``ONCEONLY_WITNESS``): run-row revisions, so a restored store is refused (T9).
 * :class:`AuditSqlite` / :class:`AuditPostgres` -- events of ``oo_audit`` of one chain.
   ``detection_point = "audit"``: verify() is ``Ledger.verify(witness=...)``.
 * :class:`WaitsSqlite` / :class:`WaitsPostgres` -- rows of ``oo_waits`` (approval
@@ -540,7 +542,12 @@ class CheckpointsSqlite(_RowStore):
         self.runs: dict[str, str] = {}
 
     def _open(self) -> None:
-        self.store = Store.open(self._db.url, integrity=keyring().row_keys())
+        # The documented configuration against a restore: a witness outside the store.
+        self.store = Store.open(
+            self._db.url,
+            integrity=keyring().row_keys(),
+            witness=os.path.join(self._db.dir, "witness"),
+        )
 
     def _close(self) -> None:
         if self.store is not None:
@@ -660,7 +667,7 @@ class WaitsSqlite(_RowStore):
 
     def _open(self) -> None:
         store = Store.open(self._db.url)
-        witness = os.path.join(self._db.dir, "witness")  # documented; covers ledger chains
+        witness = os.path.join(self._db.dir, "witness")  # documented: chains and run rows
         ledger = Ledger(store, keyring(), in_flight=InFlightPolicy(wait_s=0), witness=witness)
         self.runtime = Runtime(store, ledger, [_approval_flow(self.provider)], owner="w")
 

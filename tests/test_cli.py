@@ -75,7 +75,7 @@ def test_migrate_sql_prints_the_ddl_and_creates_nothing(url: str) -> None:
 
 def test_migrate_creates_the_schema_once(url: str) -> None:
     first = _invoke("migrate", "--url", url)
-    assert "checkpoint schema: applied 4" in first.stdout
+    assert "checkpoint schema: applied 5" in first.stdout
     assert {"oo_runs", "oo_checkpoints", "oo_blobs"} <= _tables(url)
     with Store.open(url, create=False) as store:
         store.create_run("f")

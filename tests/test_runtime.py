@@ -654,6 +654,44 @@ def test_a_fork_replays_committed_effects_and_asks_again(env: Env) -> None:
         assert env.meta(fork)["forked_from"]["seq"] == seq
 
 
+def _two_steps(env: Env, second: str) -> Flow:
+    flow = Flow("orders")
+
+    @flow.step(start=True)
+    def reserve(ctx: StepContext) -> Transition:
+        env.send(ctx, "reserve@1", ctx.state["order"])
+        return ctx.next(second)
+
+    def charge(ctx: StepContext) -> Transition:
+        env.send(ctx, "charge@1", ctx.state["order"])
+        return ctx.end()
+
+    flow.step(name=second)(charge)
+    return flow
+
+
+def test_a_fork_after_a_deploy_renamed_its_origins_step_refuses_to_resend(env: Env) -> None:
+    rt = env.runtime(_two_steps(env, "charge"))
+    rid = rt.start("orders", {"order": 7})
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert [e for e, _, _ in env.provider.deliveries] == ["reserve@1", "charge@1"]
+    history = env.store.history(rid)
+    at_start = next(c.seq for c in history if c.step == "start")
+    # A deploy renames the step that charged: its effects' keys name the old step.
+    renamed = env.runtime(_two_steps(env, "charge_card"))
+    fork = env.operator.fork(rid, at_start, actor="ops", reason="redo the order")
+    run = renamed.drive(fork)
+    assert run.status is RunStatus.FAILED
+    error = env.meta(fork)["error"]
+    assert error["type"] == "ForkDiverged", error
+    assert "charge" in error["message"]
+    assert [e for e, _, _ in env.provider.deliveries] == ["reserve@1", "charge@1"]
+    # The same fork on the code that recorded them replays them.
+    again = env.operator.fork(rid, at_start, actor="ops", reason="redo on the old code")
+    assert rt.drive(again).status is RunStatus.COMPLETED
+    assert [e for e, _, _ in env.provider.deliveries] == ["reserve@1", "charge@1"]
+
+
 def test_a_failed_run_is_retried_at_the_step_that_failed(env: Env) -> None:
     flow = Flow("check")
     verdicts = ["not yet", "ok"]

@@ -432,3 +432,39 @@ def test_a_rejection_put_back_to_its_open_version_is_refused(world: World, then:
     _work(world)
     assert world.provider.sent == []
     _verify_finds(world, "waits are not the ones")
+
+
+def test_a_restored_store_serves_no_run_or_wait_behind_its_witness(
+    world: World, tmp_path: Any
+) -> None:
+    from checkpoint import RunRolledBack
+    from tests.test_ledger_audit import table_names
+
+    path = str(tmp_path / "witness")
+    led = world.ledgers.fresh(owner="w1", witness=path)
+    rid = Runtime(led.store, led, [world.flow], owner="w1").start("payment", {"amount": 900})
+    assert Runtime(led.store, led, [world.flow], owner="w1").drive(rid).status is RunStatus.WAITING
+    engine = world.store.engine
+    tables = table_names(engine)
+    for t in tables:  # a backup, taken while the approval was open
+        execute(engine, f"CREATE TABLE snap_{t} AS SELECT * FROM {t}")
+    Operator(led.store, led).reject(rid, "cfo", actor="bob", reason="no")
+    for t in tables:  # ... restored over the store: every row genuine and sealed
+        execute(engine, f"DELETE FROM {t}")
+        execute(engine, f"INSERT INTO {t} SELECT * FROM snap_{t}")
+    other = world.ledgers.fresh(owner="w2", witness=path)
+    with pytest.raises(RunRolledBack):
+        Operator(other.store, other).approve(rid, "cfo", actor="carol", subject_hash="0" * 64)
+    with pytest.raises(RunRolledBack):
+        Runtime(other.store, other, [world.flow], owner="w2").drive(rid)
+    with pytest.raises(RunRolledBack):
+        other.store.load_run(rid)
+    assert world.provider.sent == []
+    report = other.verify()
+    assert any(f"run {rid!r}" in p and "rolled back" in p for p in report.problems), report
+    # Without the witness the restore looks whole: the open approval is served.
+    plain = world.ledgers.fresh(owner="w3", witness="")
+    assert Waits(plain.store).get(rid, "cfo").status is WaitStatus.OPEN
+    # Accepted by an operator, the store is current again.
+    other.accept_restore(actor="ops", reason="restored the 09:00 backup; re-asked the cfo")
+    assert Waits(other.store).get(rid, "cfo").status is WaitStatus.OPEN

@@ -42,16 +42,11 @@ EDITS = [
 ]
 CONTROLS = ("EffectsSqliteUnchecked", "CheckpointsSqliteUnkeyed")
 # The typed refusals a rejection must name (not an incidental crash).
-REFUSALS = ("CorruptRecord", "StoreRolledBack", "WaitNotFound")
+REFUSALS = ("CorruptRecord", "StoreRolledBack", "RunRolledBack", "WaitNotFound")
 
 # Measured defects, kept failing on purpose (strict xfail: the day they are fixed, the
-# test says so). The witness (ONCEONLY_WITNESS) holds the ledger's chain heads only: a
-# restore of the whole database to an older backup rolls a run's head checkpoint, and
-# a waiting run with its approval request, back with no error.
-KNOWN_DEFECTS = {
-    ("checkpoints", "snapshot_rollback"): "run heads are not witnessed: T9 opens as current",
-    ("waits", "snapshot_rollback"): "runs and waits are not witnessed: T9 opens as current",
-}
+# test says so). None at present.
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 
 
 def _run_kit(adapter: str, out: Path, pg_url: str | None) -> subprocess.Popen[bytes]:
@@ -184,11 +179,6 @@ def test_an_effect_put_back_to_its_claimed_version_is_not_sent_again(backend: st
         adapter.teardown()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: a decided wait put back to its open version (genuinely sealed) is "
-    "approved and acted on while the run has not yet taken the decision",
-)
 @pytest.mark.usefixtures("pg_env")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rejected_approval_put_back_to_open_is_not_acted_on(backend: str) -> None:
