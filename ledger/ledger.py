@@ -152,6 +152,11 @@ class Ledger(QueryMixin):
         in_flight: What to do when another worker holds a live claim.
         create: Create the ledger's tables in a database that has none.
         clock: Time source (UNIX seconds), for tests.
+        witness: A witness file outside the database (default ``$ONCEONLY_WITNESS``;
+            ``""`` for none): every claim advances it before acting, the store records
+            its run rows' revisions in it, and a store behind it refuses to act.
+        read_only: Open for reading only (no keys of its own: rows read are marked
+            ``unverified``); every write raises.
     """
 
     def __init__(
