@@ -524,20 +524,10 @@ def _d_checkpoint_digest(w: Any, rng: random.Random, variant: int) -> Directed:
 
 
 def _d_cut_back(w: Any, rng: random.Random, variant: int) -> Directed:
-    from onceonly.flow import Flow
     from onceonly.runtime import Runtime
+    from tests.test_tamper_acting import loop_flow
 
-    flow = Flow("steps")
-
-    @flow.step(start=True)
-    def one(ctx: Any) -> Any:
-        ctx.state["n"] = ctx.state.get("n", 0) + 1
-        return ctx.next("two") if ctx.state["n"] < 4 else ctx.end()
-
-    @flow.step
-    def two(ctx: Any) -> Any:
-        return ctx.next("one")
-
+    flow = loop_flow()
     led = w.ledgers.fresh(owner="w3")
     rid = Runtime(led.store, led, [flow], owner="w3").start("steps", {})
     Runtime(led.store, led, [flow], owner="w3").drive(rid)

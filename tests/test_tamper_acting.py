@@ -181,7 +181,8 @@ def test_a_checkpoint_with_a_recomputed_digest_is_refused_before_it_is_decoded(
     _verify_finds(world, "seal")
 
 
-def test_a_cut_back_history_is_refused(world: World) -> None:
+def loop_flow() -> Flow:
+    """Two steps visited in turn, four times: a history of several checkpoints."""
     flow = Flow("steps")
 
     @flow.step(start=True)
@@ -193,6 +194,11 @@ def test_a_cut_back_history_is_refused(world: World) -> None:
     def two(ctx: StepContext) -> Transition:
         return ctx.next("one")
 
+    return flow
+
+
+def test_a_cut_back_history_is_refused(world: World) -> None:
+    flow = loop_flow()
     led = world.ledgers.fresh(owner="w3")
     rt = Runtime(led.store, led, [flow], owner="w3")
     rid = rt.start("steps", {})
