@@ -427,8 +427,10 @@ def test_until_idle_drives_every_ready_run_and_returns(
 def test_the_lease_is_renewed_while_a_long_step_runs(
     any_url: str, provider: CountingProvider
 ) -> None:
-    with runtime_on(any_url, owner="solo", lease_s=0.6) as rt:
-        rid = rt.start("pause", {"url": provider.url, "pause_s": 2.0})
+    # The step outlasts its lease 2.5 times over; the heartbeat (every third of a lease)
+    # has a lease's worth of slack on a loaded machine.
+    with runtime_on(any_url, owner="solo", lease_s=2.0) as rt:
+        rid = rt.start("pause", {"url": provider.url, "pause_s": 5.0})
         worker = Worker(rt, poll_s=0.1)
         t = threading.Thread(target=worker.run, kwargs={"until_idle": True})
         t.start()
