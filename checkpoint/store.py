@@ -831,8 +831,9 @@ class Store:
         run = self.read_run_in(cur, run_id, lock=True)
         if run is None:
             return
-        with self._lock:
-            self._heads.pop(run_id, None)  # the cached run row is no longer current
+        # The cached head stays: a wait changes no checkpoint, and in async or exit mode
+        # the cache is this process's own view, ahead of the database (dropping it would
+        # build the next checkpoint on an older head). Sealed writes read the row afresh.
         self._update_run_in(cur, run, {"waits_digest": self._waits_digest_in(cur, run_id)})
 
     def _check_waits_in(self, cur: Any, run_id: str) -> None:
