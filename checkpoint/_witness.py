@@ -22,7 +22,29 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 
-__all__ = ["Witness"]
+__all__ = ["Witness", "read_witness"]
+
+
+def read_witness(lines: Iterable[str]) -> tuple[dict[str, int], dict[str, int], int | None]:
+    """Parse witness lines: (chain heads, run revisions, the number of the first line that
+    is none of the known kinds, or None). A ``#reset`` line starts over."""
+    heads: dict[str, int] = {}
+    runs: dict[str, int] = {}
+    bad: int | None = None
+    for n, line in enumerate(lines, 1):
+        parts = line.rstrip("\n").split("\t")
+        if len(parts) == 2 and parts[1].isdigit():
+            heads[parts[0]] = max(heads.get(parts[0], 0), int(parts[1]))
+        elif len(parts) == 3 and parts[0] == "run" and parts[2].isdigit():
+            runs[parts[1]] = max(runs.get(parts[1], 0), int(parts[2]))
+        elif len(parts) == 3 and parts[0] == "run" and parts[2] == "-":
+            runs.pop(parts[1], None)  # removed by retention
+        elif parts and parts[0] == "#reset":
+            heads.clear()
+            runs.clear()
+        elif line.strip() and bad is None:
+            bad = n
+    return heads, runs, bad
 
 
 class Witness:
@@ -41,27 +63,10 @@ class Witness:
         self.runs: dict[str, int] = {}
         try:
             with open(path, encoding="utf-8") as fh:
-                for line in fh:
-                    self._read_line(line)
+                self.heads, self.runs, _ = read_witness(fh)
         except FileNotFoundError:
             pass
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-
-    def _read_line(self, line: str) -> None:
-        parts = line.rstrip("\n").split("\t")
-        if len(parts) == 2 and parts[1].isdigit():
-            chain, seq = parts[0], int(parts[1])
-            if seq > self.heads.get(chain, 0):
-                self.heads[chain] = seq
-        elif len(parts) == 3 and parts[0] == "run" and parts[2].isdigit():
-            run_id, rev = parts[1], int(parts[2])
-            if rev > self.runs.get(run_id, 0):
-                self.runs[run_id] = rev
-        elif len(parts) == 3 and parts[0] == "run" and parts[2] == "-":
-            self.runs.pop(parts[1], None)  # removed by retention
-        elif parts and parts[0] == "#reset":
-            self.heads.clear()
-            self.runs.clear()
 
     def _append(self, lines: list[str]) -> None:
         if lines:
@@ -95,8 +100,11 @@ class Witness:
             for r in run_ids:
                 self.runs.pop(r, None)
 
-    def reset(self, heads: Mapping[str, int], note: str, runs: Mapping[str, int] = {}) -> None:
+    def reset(
+        self, heads: Mapping[str, int], note: str, runs: Mapping[str, int] | None = None
+    ) -> None:
         """Accept the store as it is (an operator accepted a restore)."""
+        runs = runs or {}
         with self._lock:
             lines = [
                 f"#reset\t{' '.join(note.split())}\n",

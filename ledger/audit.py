@@ -18,6 +18,7 @@ from typing import Any
 import blake3
 
 from checkpoint import Store
+from checkpoint._witness import read_witness
 
 from ._rows import SELECT as _SELECT_EFFECTS
 from ._rows import effect_row as _effect_row
@@ -251,22 +252,12 @@ def _check_witness(
     try:
         witnessed = json.loads(text)["heads"]  # an exported witness (export_witness)
     except (ValueError, KeyError, TypeError):
-        # The append-only witness (ONCEONLY_WITNESS, checkpoint._witness): "chain<TAB>seq"
-        # and "run<TAB>id<TAB>rev" lines, "#reset" where an operator accepted a restore.
-        seqs: dict[str, int] = {}
-        revs: dict[str, int] = {}
-        for n, line in enumerate(text.splitlines(), 1):
-            parts = line.split("\t")
-            if parts and parts[0] == "#reset":
-                seqs.clear()
-                revs.clear()
-            elif len(parts) == 2 and parts[1].isdigit():
-                seqs[parts[0]] = max(seqs.get(parts[0], 0), int(parts[1]))
-            elif len(parts) == 3 and parts[0] == "run" and parts[2].isdigit():
-                revs[parts[1]] = max(revs.get(parts[1], 0), int(parts[2]))
-            elif line.strip():
-                yield f"witness {path}: unreadable (line {n} is neither JSON nor a head)"
-                return
+        # The append-only witness (ONCEONLY_WITNESS, checkpoint._witness): chain heads
+        # and run revisions, "#reset" where an operator accepted a restore.
+        seqs, revs, bad = read_witness(text.splitlines())
+        if bad is not None:
+            yield f"witness {path}: unreadable (line {bad} is neither JSON nor a head)"
+            return
         if revs:
             have = store.run_revisions()
             for run_id, rev in sorted(revs.items()):

@@ -209,6 +209,15 @@ class Ledger(QueryMixin):
             self._behind = self._behind_witness()
 
     # -- fail closed --------------------------------------------------------------------
+    def _chain_heads(self) -> dict[str, int]:
+        """Every audit chain's head sequence number, as the store holds it."""
+
+        def heads(cur: Any) -> dict[str, int]:
+            cur.execute("SELECT chain, seq FROM oo_chain_heads")
+            return {str(c): int(s_) for c, s_ in cur.fetchall()}
+
+        return self.store.read(heads)
+
     def _behind_witness(self) -> StoreRolledBack | None:
         """The first chain the store is behind its witness on (read at open)."""
         assert self.witness is not None
@@ -216,11 +225,7 @@ class Ledger(QueryMixin):
         if not witnessed:
             return None
 
-        def heads(cur: Any) -> dict[str, int]:
-            cur.execute("SELECT chain, seq FROM oo_chain_heads")
-            return {str(c): int(s_) for c, s_ in cur.fetchall()}
-
-        have = self.store.read(heads)
+        have = self._chain_heads()
         for chain, seq in sorted(witnessed.items()):
             if have.get(chain, 0) < seq:
                 behind = StoreRolledBack(chain, have.get(chain, 0), seq, self.witness.path)
@@ -247,11 +252,7 @@ class Ledger(QueryMixin):
         if not actor.strip() or not reason.strip():
             raise ConfigurationError("accepting a restore needs the operator and a reason")
 
-        def heads(cur: Any) -> dict[str, int]:
-            cur.execute("SELECT chain, seq FROM oo_chain_heads")
-            return {str(c): int(s_) for c, s_ in cur.fetchall()}
-
-        have = self.store.read(heads)
+        have = self._chain_heads()
         note = f"accepted by {actor} at {self._clock():.3f}: {' '.join(reason.split())}"
         self.witness.reset(have, note, self.store.run_revisions())
         log.warning("restore accepted (witness %s reset): %s", self.witness.path, note)
