@@ -184,6 +184,15 @@ def configure(engine: Engine, *, busy_timeout_ms: int) -> None:
 
         if not isinstance(engine.pool, NullPool):
             engine.dispose()  # connections made before the hooks lack the pragmas
+    elif engine.dialect.name == "postgresql":
+
+        @event.listens_for(engine, "begin")
+        def _on_pg_begin(conn: Connection) -> None:
+            # A reader sees one snapshot, as on SQLite (READ COMMITTED would give each
+            # statement its own).
+            if conn.get_execution_options().get(READ_ONLY):
+                conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+
     setattr(engine, _CONFIGURED, True)
 
 

@@ -1240,8 +1240,14 @@ class Store:
             run_values["handoff"] = self._encode_handoff(handoff)
         if next_step is not _UNSET:
             run_values["next_step"] = next_step
+        ended = status is not None and RunStatus(status) in _ENDED
         if status is not None:
             run_values["status"] = RunStatus(status).value
+        if ended:
+            # An ended run holds no lease: cleared in the write that ends it, so no reader
+            # sees a completed run still leased by the worker that completed it.
+            run_values["lease_owner"] = None
+            run_values["lease_expires_at"] = None
         # Encode the delta first: it validates every new value, so an unencodable one
         # fails here with nothing written and the cached head untouched.
         enc = _delta.encode_delta(self.codec, ops)
@@ -1310,6 +1316,10 @@ class Store:
                 head_seq=seq,
                 updated_at=created,
             )
+            if ended:
+                new_head.run = dataclasses.replace(
+                    new_head.run, lease_owner=None, lease_expires_at=None
+                )
         if keyframe:
             new_head.keyframe_seq = seq
             new_head.deltas = 0
@@ -2731,6 +2741,10 @@ class _SQL:
         return sql
 
 
+_ENDED = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+_PG_READ = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"
+
+
 class _RawTxn:
     """A transaction on a DBAPI connection pinned to the calling thread (hot paths only).
 
@@ -2760,6 +2774,11 @@ class _RawTxn:
             self._cur = self._conn.cursor()
             if self._sqlite:
                 self._cur.execute("BEGIN IMMEDIATE" if self._write else "BEGIN")
+            elif not self._write:
+                # One snapshot for the whole read, as SQLite's deferred BEGIN gives: under
+                # READ COMMITTED a check that reads in two statements sees two moments
+                # (a concurrent commit between them reads as a row missing or extra).
+                self._cur.execute(_PG_READ)
         except BaseException:
             self._store._discard(self._conn, self._pinned)
             raise

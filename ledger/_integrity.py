@@ -110,17 +110,19 @@ def whole_since(
             missing while events remain, or the last event is not the sealed head.
     """
     where = None if chain.startswith("tenant:") else chain
-    # One statement (one snapshot under READ COMMITTED): the head and the events since.
+    # One statement (one snapshot under READ COMMITTED): the head, the events since and
+    # whether the chain has any event. Read in two statements, a chain whose first event
+    # and head a concurrent claim commits between them reads as "events but no head".
     cur.execute(
         f"SELECT h.seq, h.hash, h.seal, (SELECT COUNT(*) FROM oo_audit a WHERE a.chain = "
         f"h.chain AND a.seq > {q} AND a.seq <= h.seq), (SELECT MAX(a.seq) FROM oo_audit a "
-        f"WHERE a.chain = h.chain) FROM oo_chain_heads h WHERE h.chain = {q}",
-        (verified, chain),
+        f"WHERE a.chain = h.chain), (SELECT 1 FROM oo_audit e WHERE e.chain = {q} LIMIT 1) "
+        f"FROM (SELECT 1 AS one) d LEFT JOIN oo_chain_heads h ON h.chain = {q}",
+        (verified, chain, chain),
     )
     found = cur.fetchone()
-    if found is None:
-        cur.execute(f"SELECT 1 FROM oo_audit WHERE chain = {q} LIMIT 1", (chain,))
-        if cur.fetchone() is not None:
+    if found is None or found[0] is None:
+        if found is not None and found[5] is not None:
             raise CorruptRecord(
                 f"audit chain {chain!r} has events but no head (its head was deleted); "
                 f"nothing is acted on. Run `onceonly audit verify`",

@@ -705,6 +705,24 @@ def test_lease_acquire_renew_conflict_release(store: Store) -> None:
     assert store.acquire_lease(rid, "worker-2", ttl_s=5).lease_owner == "worker-2"
 
 
+@pytest.mark.parametrize("status", [RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED])
+def test_the_write_that_ends_a_run_clears_its_lease(store: Store, status: RunStatus) -> None:
+    """No moment at which a reader sees an ended run still leased (a worker releases
+    its lease in a later write; until then a completed run looked taken)."""
+    rid = new_run(store)
+    store.acquire_lease(rid, "worker-1", ttl_s=30)
+    store.save(rid, {"n": 1}, step="a", next_step="b")
+    assert store.get_run(rid).lease_owner == "worker-1"  # a step's save keeps it
+    store.save(rid, {"n": 2}, step="b", next_step=None, status=status)
+    ended, snap = store.load_run(rid)
+    assert (ended.status, ended.lease_owner, ended.lease_expires_at) == (status, None, None)
+    assert snap is not None
+    assert snap.state == {"n": 2}
+    fresh = store.get_run(rid)
+    assert (fresh.lease_owner, fresh.lease_expires_at) == (None, None)
+    assert store.release_lease(rid, "worker-1") is False  # nothing left to release
+
+
 def test_an_expired_lease_can_be_taken_by_another_owner(
     store: Store, open_store: Callable[..., Store]
 ) -> None:
