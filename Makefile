@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]' --config-settings editable_mode=strict
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,7 +30,7 @@ unit: install
 test: lint typecheck unit
 
 bench: install
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[bench]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[bench]' --config-settings editable_mode=strict
 	$(PY) -m bench
 
 clean:

@@ -8,6 +8,13 @@ IMAP), rows in your own tables (``GuardedTable``) and LangGraph tool calls
 LangGraph checkpointer (``adapters.langgraph_saver``).
 """
 
+if __name__ != "onceonly.adapters":  # imported as a top-level module (from a checkout's root)
+    raise ImportError(
+        f"import onceonly.adapters, not {__name__}: the folder adapters/ is the package "
+        f"onceonly.adapters (a second copy under another name would not share its state)"
+    )
+
+
 from .context import StepDiverged, current_claim, identity_for, step
 from .email import (
     EmailNotSent,

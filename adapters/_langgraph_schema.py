@@ -33,7 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.schema import DDL, CreateIndex, CreateTable
 
-from checkpoint import CorruptRecord, Migration, OnlyOn, RowKeys, Store, migrate_component
+from onceonly.checkpoint import CorruptRecord, Migration, OnlyOn, RowKeys, Store, migrate_component
 
 __all__ = [
     "CHECKPOINTS",

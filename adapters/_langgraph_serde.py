@@ -45,7 +45,7 @@ from langgraph.checkpoint.serde.jsonplus import (
 )
 from langgraph.checkpoint.serde.types import _DeltaSnapshot
 
-from checkpoint import CodecError, ConfigurationError, CorruptRecord
+from onceonly.checkpoint import CodecError, ConfigurationError, CorruptRecord
 
 __all__ = ["StrictSerializer", "UnregisteredType"]
 

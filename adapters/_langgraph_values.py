@@ -18,7 +18,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from checkpoint import Codec, CodecError, CorruptRecord
+from onceonly.checkpoint import Codec, CodecError, CorruptRecord
 
 __all__ = [
     "SERDE_VALUE_NAME",

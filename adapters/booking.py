@@ -30,8 +30,8 @@ from typing import Any, TypedDict
 
 import httpx
 
-from checkpoint.errors import OnceOnlyError
-from ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
+from onceonly.checkpoint.errors import OnceOnlyError
+from onceonly.ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
 
 from .context import current_claim
 from .guard import Probe, RetryPolicy, guard

@@ -16,8 +16,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from checkpoint.errors import ConfigurationError, OnceOnlyError
-from ledger import Claim, EffectIdentity
+from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
+from onceonly.ledger import Claim, EffectIdentity
 
 __all__ = ["StepDiverged", "current_claim", "identity_for", "step"]
 

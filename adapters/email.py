@@ -46,8 +46,8 @@ from email.parser import BytesHeaderParser
 from email.utils import formatdate, getaddresses
 from typing import Any, TypedDict
 
-from checkpoint.errors import ConfigurationError
-from ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
+from onceonly.checkpoint.errors import ConfigurationError
+from onceonly.ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
 
 from .context import current_claim
 from .guard import RetryPolicy, guard

@@ -35,9 +35,9 @@ from typing import Any, ParamSpec, TypeVar, cast
 import tenacity
 from opentelemetry import trace
 
-from checkpoint.errors import ConfigurationError
-from checkpoint.failpoints import failpoint
-from ledger import (
+from onceonly.checkpoint.errors import ConfigurationError
+from onceonly.checkpoint.failpoints import failpoint
+from onceonly.ledger import (
     Claim,
     EffectFailed,
     EffectIdentity,

@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
-from checkpoint.errors import ConfigurationError, OnceOnlyError
-from ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
+from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
+from onceonly.ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
 
 from .context import current_claim
 from .guard import Probe, RetryPolicy, guard

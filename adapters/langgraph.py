@@ -94,8 +94,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from checkpoint.errors import CodecError, ConfigurationError, OnceOnlyError
-from ledger import EffectFailed, Ledger, OutcomeClass, ProviderClass
+from onceonly.checkpoint.errors import CodecError, ConfigurationError, OnceOnlyError
+from onceonly.ledger import EffectFailed, Ledger, OutcomeClass, ProviderClass
 
 from .context import step
 from .guard import Probe, RetryPolicy, guard

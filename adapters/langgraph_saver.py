@@ -78,7 +78,7 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from checkpoint import (
+from onceonly.checkpoint import (
     CheckpointNotFound,
     Codec,
     ConcurrentWrite,
@@ -93,7 +93,7 @@ from checkpoint import (
     Store,
     ensure_schema,
 )
-from ledger import Keyring
+from onceonly.ledger import Keyring
 
 from . import _langgraph_schema as _schema
 from ._langgraph_serde import StrictSerializer, UnregisteredType

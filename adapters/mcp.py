@@ -63,8 +63,8 @@ from mcp.types import (
     RequestParamsMeta,
 )
 
-from checkpoint.errors import ConfigurationError, OnceOnlyError
-from ledger import (
+from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
+from onceonly.ledger import (
     EffectInDoubt,
     EffectRecord,
     EffectStatus,

@@ -40,8 +40,8 @@ from sqlalchemy.exc import (
 )
 from sqlalchemy.sql import ColumnElement, Select
 
-from checkpoint.errors import ConfigurationError, OnceOnlyError
-from ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
+from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
+from onceonly.ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
 
 from .context import current_claim
 from .guard import Probe, RetryPolicy, guard

@@ -59,7 +59,7 @@ def _system(name: str) -> Any:
 
     if name.startswith("onceonly"):
         # Imported here, as SqliteSaver is by systems.langgraph: outside the timed open.
-        import adapters.langgraph_saver  # noqa: F401
+        import onceonly.adapters.langgraph_saver  # noqa: F401
 
     class Graph(LangGraph):
         """The W2 LangGraph peer's graph and node, with either checkpointer."""
@@ -67,7 +67,7 @@ def _system(name: str) -> Any:
         def open_saver(self, db: Path, *, timed: bool) -> tuple[Any, Any]:
             """The checkpointer on ``db`` and a function closing it."""
             if name.startswith("onceonly"):
-                from adapters.langgraph_saver import OnceOnlySaver
+                from onceonly.adapters.langgraph_saver import OnceOnlySaver
 
                 class TimedSaver(OnceOnlySaver):
                     calls: list[tuple[float, float]]
@@ -86,7 +86,7 @@ def _system(name: str) -> Any:
                         finally:
                             self.calls.append((t0, time.perf_counter() - t0))
 
-                from ledger import Keyring, Secret
+                from onceonly.ledger import Keyring, Secret
 
                 # Sealed, as a saver with a keyring (ONCEONLY_SECRETS) is.
                 keys = Keyring([Secret("k1", bytes(range(32)))])

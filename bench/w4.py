@@ -64,7 +64,7 @@ def flows() -> list[Flow]:
     requests to the provider in the run's state) until ``effects`` are delivered."""
     import httpx
 
-    from adapters.http import GuardedHTTP
+    from onceonly.adapters.http import GuardedHTTP
     from onceonly.flow import Flow
 
     flow = Flow("w4", version="1")
@@ -185,8 +185,8 @@ def _database(server: str) -> tuple[str, Any]:
 
 def worker_phase(url: str, owner: str, lease_s: float, poll_s: float) -> dict[str, Any]:
     """One worker process: set up, print ``ready``, wait for ``go``, drain, report."""
-    from checkpoint import Store
-    from ledger import Keyring, Ledger, Secret
+    from onceonly.checkpoint import Store
+    from onceonly.ledger import Keyring, Ledger, Secret
     from onceonly.runtime import Runtime
     from onceonly.worker import Worker
 
@@ -216,9 +216,9 @@ def worker_phase(url: str, owner: str, lease_s: float, poll_s: float) -> dict[st
 
 def measure_phase(server: str, workers: int, runs: int, effects: int) -> dict[str, Any]:
     """One measurement (see the module docstring)."""
-    from checkpoint import RunStatus, Store, migrate
-    from ledger import Keyring, Ledger, Secret
-    from ledger import migrate as ledger_migrate
+    from onceonly.checkpoint import RunStatus, Store, migrate
+    from onceonly.ledger import Keyring, Ledger, Secret
+    from onceonly.ledger import migrate as ledger_migrate
     from onceonly.runtime import Runtime
 
     load_start = list(os.getloadavg())

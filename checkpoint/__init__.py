@@ -4,6 +4,13 @@ The bottom layer of onceonly; it imports nothing from ``ledger``, ``adapters`` o
 ``onceonly``.
 """
 
+if __name__ != "onceonly.checkpoint":  # imported as a top-level module (from a checkout's root)
+    raise ImportError(
+        f"import onceonly.checkpoint, not {__name__}: the folder checkpoint/ is the package "
+        f"onceonly.checkpoint (a second copy under another name would not share its state)"
+    )
+
+
 from ._delta import ChunkedList
 from ._engine import redact, safe_url, scrub
 from ._retry import DatabaseRetry, interrupt_retries, is_transient

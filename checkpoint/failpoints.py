@@ -38,7 +38,7 @@ The failpoints, in the order a guarded effect inside a step meets them
 
 Example::
 
-    from checkpoint.failpoints import armed
+    from onceonly.checkpoint.failpoints import armed
 
     hits: list[str] = []
     with armed(hits.append):

@@ -4,6 +4,13 @@ Built on the checkpoint core (``checkpoint``), in the same database; imports not
 ``adapters`` or ``onceonly``.
 """
 
+if __name__ != "onceonly.ledger":  # imported as a top-level module (from a checkout's root)
+    raise ImportError(
+        f"import onceonly.ledger, not {__name__}: the folder ledger/ is the package "
+        f"onceonly.ledger (a second copy under another name would not share its state)"
+    )
+
+
 from ._schema import migrate
 from .audit import AuditReport
 from .errors import (

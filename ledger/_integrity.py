@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from checkpoint import RowKeys
-from checkpoint.errors import CorruptRecord
+from onceonly.checkpoint import RowKeys
+from onceonly.checkpoint.errors import CorruptRecord
 
 from .audit import GENESIS, row_digest
 from .errors import LEDGER_HINT, StoreRolledBack

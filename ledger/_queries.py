@@ -12,9 +12,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from checkpoint import Codec, RowKeys, Store
-from checkpoint._witness import Witness
-from checkpoint.errors import CorruptRecord
+from onceonly.checkpoint import Codec, RowKeys, Store
+from onceonly.checkpoint._witness import Witness
+from onceonly.checkpoint.errors import CorruptRecord
 
 from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
 from .audit import AuditReport, export_witness, verify_store

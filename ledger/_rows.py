@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from checkpoint.errors import CorruptRecord
+from onceonly.checkpoint.errors import CorruptRecord
 
 from ._schema import COLUMNS
 from .records import EffectRecord, EffectStatus, OutcomeClass, ProviderClass

@@ -18,8 +18,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from checkpoint import Migration, migrate_component
-from checkpoint._schema import OnlyOn, _sql
+from onceonly.checkpoint import Migration, migrate_component
+from onceonly.checkpoint._schema import OnlyOn, _sql
 
 metadata = MetaData()
 

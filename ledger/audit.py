@@ -17,8 +17,8 @@ from typing import Any
 
 import blake3
 
-from checkpoint import Store
-from checkpoint._witness import read_witness
+from onceonly.checkpoint import Store
+from onceonly.checkpoint._witness import read_witness
 
 from ._rows import SELECT as _SELECT_EFFECTS
 from ._rows import effect_row as _effect_row

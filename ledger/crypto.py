@@ -16,7 +16,7 @@ import threading
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from checkpoint.errors import CorruptRecord
+from onceonly.checkpoint.errors import CorruptRecord
 
 from .keys import Keyring
 

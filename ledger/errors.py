@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from checkpoint.errors import CorruptRecord, OnceOnlyError
+from onceonly.checkpoint.errors import CorruptRecord, OnceOnlyError
 
 __all__ = [
     "EffectFailed",

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint import Store
+from onceonly.checkpoint import Store
 
 from .errors import RunFenced
 

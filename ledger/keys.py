@@ -28,8 +28,8 @@ from typing import Any
 
 import blake3
 
-from checkpoint import Codec, RowKeys
-from checkpoint.errors import ConfigurationError
+from onceonly.checkpoint import Codec, RowKeys
+from onceonly.checkpoint.errors import ConfigurationError
 
 __all__ = [
     "EffectIdentity",

@@ -28,9 +28,9 @@ from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from checkpoint import Codec, RowKeys, Store, ensure_schema
-from checkpoint.errors import CodecError, ConfigurationError, CorruptRecord, StoreError
-from checkpoint.failpoints import failpoint
+from onceonly.checkpoint import Codec, RowKeys, Store, ensure_schema
+from onceonly.checkpoint.errors import CodecError, ConfigurationError, CorruptRecord, StoreError
+from onceonly.checkpoint.failpoints import failpoint
 
 from . import _schema
 from ._integrity import (

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint.errors import ConfigurationError
+from onceonly.checkpoint.errors import ConfigurationError
 
 __all__ = [
     "UNKNOWN_RESULT",

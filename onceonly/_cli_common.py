@@ -18,9 +18,9 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from sqlalchemy import make_url
 from sqlalchemy.exc import ArgumentError
 
-from checkpoint import Codec, Store, redact
-from checkpoint.errors import ConfigurationError
-from ledger import EffectRecord, Keyring, Ledger, Secret
+from onceonly.checkpoint import Codec, Store, redact
+from onceonly.checkpoint.errors import ConfigurationError
+from onceonly.ledger import EffectRecord, Keyring, Ledger, Secret
 
 from .operator import Operator
 

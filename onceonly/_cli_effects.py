@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ledger import UNKNOWN_RESULT, EffectRecord, EffectStatus
+from onceonly.ledger import UNKNOWN_RESULT, EffectRecord, EffectStatus
 
 from ._cli_common import (
     AS_HELP,

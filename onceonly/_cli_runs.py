@@ -17,7 +17,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from checkpoint import Codec, RunStatus, SchemaVersionError, Store, Wait, WaitKind, Waits
+from onceonly.checkpoint import Codec, RunStatus, SchemaVersionError, Store, Wait, WaitKind, Waits
 
 from ._cli_common import (
     HASH,

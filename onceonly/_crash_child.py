@@ -23,8 +23,8 @@ import sys
 import traceback
 from typing import Any
 
-from checkpoint import Codec
-from ledger import Keyring, Secret
+from onceonly.checkpoint import Codec
+from onceonly.ledger import Keyring, Secret
 
 from ._fakes import Clock, create_schema
 from ._harness import EXIT_CODE, SECRET, Scenario, run_once

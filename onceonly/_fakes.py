@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from checkpoint import Store
-from ledger import Keyring, Ledger, ProviderClass, Secret
+from onceonly.checkpoint import Store
+from onceonly.ledger import Keyring, Ledger, ProviderClass, Secret
 
 if TYPE_CHECKING:
     import httpx

@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint import Durability, RunStatus, Store, WaitKind, WaitStatus
-from checkpoint.failpoints import armed
-from ledger import Keyring, Ledger, Secret
+from onceonly.checkpoint import Durability, RunStatus, Store, WaitKind, WaitStatus
+from onceonly.checkpoint.failpoints import armed
+from onceonly.ledger import Keyring, Ledger, Secret
 
 from ._fakes import Clock
 from .flow import Flow

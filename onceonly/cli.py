@@ -16,9 +16,9 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from checkpoint import OnceOnlyError, Store, migrate, scrub
-from checkpoint.errors import ConfigurationError
-from ledger import migrate as ledger_migrate
+from onceonly.checkpoint import OnceOnlyError, Store, migrate, scrub
+from onceonly.checkpoint.errors import ConfigurationError
+from onceonly.ledger import migrate as ledger_migrate
 
 from ._cli_common import (
     DURATION,
@@ -75,7 +75,7 @@ def migrate_cmd(url: str | None, sql: bool, langgraph: bool) -> None:
     click.echo(migrate(target, sql=sql), nl=not sql)
     click.echo(ledger_migrate(target, sql=sql), nl=not sql)
     if langgraph:
-        from adapters._langgraph_schema import migrate as langgraph_migrate  # noqa: PLC0415
+        from onceonly.adapters._langgraph_schema import migrate as langgraph_migrate  # noqa: PLC0415
 
         click.echo(langgraph_migrate(target, sql=sql), nl=not sql)
 

@@ -9,9 +9,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from adapters import RetryPolicy, guard, step
-from checkpoint import ConfigurationError, Handoff, Store, subject_hash
-from ledger import EffectRecord, Evidence, KeyReuseError, Ledger, OutcomeClass, ProviderClass
+from onceonly.adapters import RetryPolicy, guard, step
+from onceonly.checkpoint import ConfigurationError, Handoff, Store, subject_hash
+from onceonly.ledger import (
+    EffectRecord,
+    Evidence,
+    KeyReuseError,
+    Ledger,
+    OutcomeClass,
+    ProviderClass,
+)
 
 from .errors import BranchesDiverged
 from .flow import End, Fail, Next, WaitFor

@@ -32,8 +32,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from checkpoint import RunStatus, Store
-from ledger import Keyring, Ledger, Secret
+from onceonly.checkpoint import RunStatus, Store
+from onceonly.ledger import Keyring, Ledger, Secret
 
 from .demo_flow import FLOWS
 from .demo_services import HTTPService, MailService

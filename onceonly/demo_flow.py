@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 
-from adapters import GuardedSMTP, IMAPMailbox, SMTPServer
-from adapters.http import GuardedHTTP
+from onceonly.adapters import GuardedSMTP, IMAPMailbox, SMTPServer
+from onceonly.adapters.http import GuardedHTTP
 
 from .context import StepContext
 from .flow import Flow, Transition

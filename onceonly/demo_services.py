@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from checkpoint import ConfigurationError
+from onceonly.checkpoint import ConfigurationError
 
 HOST = "127.0.0.1"
 

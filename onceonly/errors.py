@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from adapters import StepDiverged
-from checkpoint import OnceOnlyError
+from onceonly.adapters import StepDiverged
+from onceonly.checkpoint import OnceOnlyError
 
 __all__ = [
     "ApprovalMismatch",

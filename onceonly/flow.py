@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
-from checkpoint import ConfigurationError, StateMigrations
+from onceonly.checkpoint import ConfigurationError, StateMigrations
 
 if TYPE_CHECKING:
     from .context import StepContext

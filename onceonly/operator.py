@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint import (
+from onceonly.checkpoint import (
     CheckpointInfo,
     ConcurrentWrite,
     ConfigurationError,
@@ -29,8 +29,8 @@ from checkpoint import (
     Waits,
     notify_ready,
 )
-from ledger import UNKNOWN_RESULT, EffectRecord, Ledger
-from ledger import RetentionPolicy as EffectRetention
+from onceonly.ledger import UNKNOWN_RESULT, EffectRecord, Ledger
+from onceonly.ledger import RetentionPolicy as EffectRetention
 
 from .errors import RunNotResumable
 from .runtime import META

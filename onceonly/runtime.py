@@ -26,8 +26,8 @@ from typing import Any
 
 from opentelemetry import trace
 
-from adapters import StepDiverged, step
-from checkpoint import (
+from onceonly.adapters import StepDiverged, step
+from onceonly.checkpoint import (
     CodecError,
     ConcurrentWrite,
     ConfigurationError,
@@ -46,8 +46,8 @@ from checkpoint import (
     WaitStatus,
     notify_ready,
 )
-from checkpoint.failpoints import failpoint
-from ledger import (
+from onceonly.checkpoint.failpoints import failpoint
+from onceonly.ledger import (
     EffectInDoubt,
     EffectInFlight,
     EffectStatus,

@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from checkpoint import Durability, RunStatus, Store
-from checkpoint.failpoints import KNOWN_FAILPOINTS
-from ledger import EffectStatus, Keyring, Ledger, Secret
+from onceonly.checkpoint import Durability, RunStatus, Store
+from onceonly.checkpoint.failpoints import KNOWN_FAILPOINTS
+from onceonly.ledger import EffectStatus, Keyring, Ledger, Secret
 
 from . import _crash_child
 from ._fakes import (

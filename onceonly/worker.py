@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from checkpoint import (
+from onceonly.checkpoint import (
     CorruptRecord,
     LeaseHeld,
     OnceOnlyError,
@@ -52,8 +52,8 @@ from checkpoint import (
     is_transient,
     redact,
 )
-from checkpoint.waits import NOTIFY_CHANNEL
-from ledger import LedgerUnavailable
+from onceonly.checkpoint.waits import NOTIFY_CHANNEL
+from onceonly.ledger import LedgerUnavailable
 
 from .runtime import Runtime
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import httpx
 
-from adapters.guard import RetryPolicy
-from adapters.http import GuardedHTTP, HTTPRejected
-from ledger import EffectFailed, Ledger
+from onceonly.adapters.guard import RetryPolicy
+from onceonly.adapters.http import GuardedHTTP, HTTPRejected
 from onceonly.context import BranchContext, StepContext
 from onceonly.flow import Flow, Transition
+from onceonly.ledger import EffectFailed, Ledger
 
 __all__ = ["CLIENTS", "WINDOW_S", "plan_flow"]
 

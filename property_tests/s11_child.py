@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from checkpoint import Store
-from ledger import InFlightPolicy, Keyring, Ledger
+from onceonly.checkpoint import Store
+from onceonly.ledger import InFlightPolicy, Keyring, Ledger
 from onceonly.runtime import Runtime
 from property_tests.s11_flows import FileProvider, FlowSpec, build_flows, flow_name
 from tests.ledger_support import K1

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from adapters import current_claim, guard
-from checkpoint.failpoints import failpoint
+from onceonly.adapters import current_claim, guard
+from onceonly.checkpoint.failpoints import failpoint
 from onceonly.context import BranchContext, StepContext
 from onceonly.flow import Flow, Transition
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from checkpoint import (
+from onceonly.checkpoint import (
     CheckpointLost,
     ConcurrentWrite,
     ConfigurationError,
@@ -28,9 +28,9 @@ from checkpoint import (
     WaitKind,
     WaitRefused,
 )
-from checkpoint.failpoints import armed
-from ledger import InFlightPolicy, Keyring, Ledger, Secret
+from onceonly.checkpoint.failpoints import armed
 from onceonly.errors import RunNotResumable
+from onceonly.ledger import InFlightPolicy, Keyring, Ledger, Secret
 from onceonly.operator import Operator
 from onceonly.runtime import META, Runtime
 from property_tests.s1_support import wipe

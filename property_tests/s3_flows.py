@@ -29,11 +29,11 @@ from typing import Any
 
 import httpx
 
-from adapters.http import GuardedHTTP
-from ledger import EffectRecord, Evidence
+from onceonly.adapters.http import GuardedHTTP
 from onceonly.context import StepContext
 from onceonly.demo_flow import onboarding
 from onceonly.flow import Flow, Transition
+from onceonly.ledger import EffectRecord, Evidence
 
 __all__ = ["FLOWS", "gen"]
 

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint import RunStatus, Store, WaitKind, WaitRefused, migrate
-from ledger import EffectStatus, Keyring, Ledger, Secret
-from ledger import migrate as ledger_migrate
+from onceonly.checkpoint import RunStatus, Store, WaitKind, WaitRefused, migrate
 from onceonly.demo_services import HOST, HTTPService, MailService
+from onceonly.ledger import EffectStatus, Keyring, Ledger, Secret
+from onceonly.ledger import migrate as ledger_migrate
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
 

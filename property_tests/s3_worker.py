@@ -34,8 +34,8 @@ import sqlalchemy  # noqa: F401
 
 import onceonly.cli
 import property_tests.s3_flows
-from checkpoint import Store
-from ledger import Keyring, Ledger, Secret
+from onceonly.checkpoint import Store
+from onceonly.ledger import Keyring, Ledger, Secret
 from onceonly.runtime import Runtime
 from onceonly.worker import Worker
 

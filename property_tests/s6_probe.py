@@ -11,9 +11,9 @@ import sys
 import unicodedata
 from typing import Any, Literal
 
-from checkpoint import Codec
-from ledger import EffectIdentity, Keyring, Secret
-from ledger.keys import canonical_args
+from onceonly.checkpoint import Codec
+from onceonly.ledger import EffectIdentity, Keyring, Secret
+from onceonly.ledger.keys import canonical_args
 
 RING = Keyring([Secret("k1", bytes(range(32))), Secret("k2", bytes(range(100, 148)))])
 WORDS = ("alpha", "beta", "gamma", "délta", "ünïcode", "zeta", "東京", "eta", "θ", "x y")

@@ -17,7 +17,7 @@ import sqlite3
 from collections.abc import Callable
 from typing import Any
 
-from checkpoint import Store
+from onceonly.checkpoint import Store
 
 __all__ = ["CommitFaults"]
 

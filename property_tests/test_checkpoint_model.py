@@ -32,7 +32,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from checkpoint import CheckpointInfo, KeyframePolicy, Snapshot, Store
+from onceonly.checkpoint import CheckpointInfo, KeyframePolicy, Snapshot, Store
 from tests.values import strict_equal
 
 POLICY = KeyframePolicy(max_deltas=3)

@@ -44,9 +44,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from checkpoint import RunNotFound, RunStatus, Store, Waits
-from ledger import Keyring, Ledger
+from onceonly.checkpoint import RunNotFound, RunStatus, Store, Waits
 from onceonly.context import StepContext
+from onceonly.ledger import Keyring, Ledger
 from onceonly.operator import Operator
 from property_tests.reliability import SuiteReport, scaled, seeds
 from property_tests.s11_flows import AFTER_EFFECTS, FileProvider, FlowSpec, StepSpec, predicted
@@ -260,7 +260,7 @@ def _scenario_exit_mode_steps(m: RuntimeModel) -> None:
 
 
 def _no_fence(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ledger.ledger.check_fence", lambda *a, **k: None)
+    monkeypatch.setattr("onceonly.ledger.ledger.check_fence", lambda *a, **k: None)
 
 
 def _wait_without_visit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -274,7 +274,7 @@ def _wait_without_visit(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _explicit_without_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ledger.keys import EffectIdentity
+    from onceonly.ledger.keys import EffectIdentity
 
     original = EffectIdentity.parts
 
@@ -287,7 +287,7 @@ def _explicit_without_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _memo_keys_not_positional(monkeypatch: pytest.MonkeyPatch) -> None:
-    from adapters import step as original  # what onceonly.context calls its `step`
+    from onceonly.adapters import step as original  # what onceonly.context calls its `step`
 
     def step(run_id: str, step_id: str, *args: Any, **kwargs: Any) -> Any:
         if step_id.endswith(":branches"):
@@ -309,8 +309,8 @@ def _branch_sets_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _retention_ignores_live_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ledger._rows import SELECT, effect_row
-    from ledger.records import EffectStatus
+    from onceonly.ledger._rows import SELECT, effect_row
+    from onceonly.ledger.records import EffectStatus
 
     def apply_retention(self: Ledger, policy: Any) -> int:
         cutoff = self._clock() - policy.older_than_s

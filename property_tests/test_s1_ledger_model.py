@@ -42,9 +42,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from checkpoint import CorruptRecord, Store, Waits, WaitStatus, subject_hash
-from checkpoint.errors import WaitRefused
-from ledger import (
+from onceonly.checkpoint import CorruptRecord, Store, Waits, WaitStatus, subject_hash
+from onceonly.checkpoint.errors import WaitRefused
+from onceonly.ledger import (
     Claim,
     EffectFailed,
     EffectIdentity,
@@ -558,7 +558,7 @@ def _expired_lease_is_free(original: Callable[..., Any]) -> Callable[..., Any]:
     claim re-sends it with the next epoch instead of finding it in doubt."""
 
     def claim_txn(self: Ledger, cur: Any, identity: Any, candidates: Any, *a: Any) -> Any:
-        from ledger._rows import SELECT, effect_row
+        from onceonly.ledger._rows import SELECT, effect_row
 
         ids = [kid for _, kid in candidates]
         marks = ", ".join([self._q] * len(ids))

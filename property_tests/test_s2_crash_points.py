@@ -53,10 +53,10 @@ from typing import Any
 
 import pytest
 
-from checkpoint.failpoints import KNOWN_FAILPOINTS
-from ledger import Ledger
-from ledger.ledger import _Outcome
-from ledger.records import EffectStatus
+from onceonly.checkpoint.failpoints import KNOWN_FAILPOINTS
+from onceonly.ledger import Ledger
+from onceonly.ledger.ledger import _Outcome
+from onceonly.ledger.records import EffectStatus
 from onceonly.testing import (
     Clock,
     HarnessReport,

@@ -35,8 +35,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoint import Codec, Store
-from ledger import (
+from onceonly.checkpoint import Codec, Store
+from onceonly.ledger import (
     Claim,
     EffectIdentity,
     KeyRecipe,
@@ -47,7 +47,7 @@ from ledger import (
     Replay,
     Secret,
 )
-from ledger.keys import canonical_args
+from onceonly.ledger.keys import canonical_args
 from property_tests import s6_probe
 from property_tests.reliability import SuiteReport, scaled, seeds
 from property_tests.s1_support import CountingProvider

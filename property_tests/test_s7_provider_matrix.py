@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ledger import Evidence, Ledger, OutcomeClass
+from onceonly.ledger import Evidence, Ledger, OutcomeClass
 from onceonly.testing import (
     FAULTS,
     Clock,
@@ -208,9 +208,9 @@ def test_s7_positive_control_timeouts_taken_for_never_sent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A build that re-sends after a timeout as if nothing had left must be caught."""
-    import adapters.http
+    from onceonly.adapters import http as http_adapter
 
-    real = adapters.http.classify_http
+    real = http_adapter.classify_http
 
     def naive(exc: BaseException) -> OutcomeClass:
         if isinstance(exc, httpx.TimeoutException):
@@ -218,7 +218,7 @@ def test_s7_positive_control_timeouts_taken_for_never_sent(
         return real(exc)
 
     with monkeypatch.context() as patch:
-        patch.setattr(adapters.http, "classify_http", naive)
+        patch.setattr(http_adapter, "classify_http", naive)
         results = [
             fault_at_every_call(
                 five_effects(cls, fakes[cls].url),

@@ -37,8 +37,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from checkpoint import OnceOnlyError, Store
-from ledger import (
+from onceonly.checkpoint import OnceOnlyError, Store
+from onceonly.ledger import (
     Claim,
     EffectIdentity,
     InFlightPolicy,
@@ -495,7 +495,7 @@ def _d_run_flipped(w: Any, rng: random.Random, variant: int) -> Directed:
 
 
 def _d_checkpoint_digest(w: Any, rng: random.Random, variant: int) -> Directed:
-    from checkpoint import _delta as delta
+    from onceonly.checkpoint import _delta as delta
     from tests.dbutil import fetch as fetch_rows
 
     out = Directed("checkpoint body edited, its unkeyed digest recomputed")
@@ -590,7 +590,7 @@ def _d_deleted(w: Any, rng: random.Random, variant: int) -> Directed:
 
 
 def _d_recomputed(w: Any, rng: random.Random, variant: int) -> Directed:
-    from ledger.audit import event_hash, row_digest
+    from onceonly.ledger.audit import event_hash, row_digest
     from tests.ledger_support import effect_row
 
     n = rng.randrange(1, 5)
@@ -664,7 +664,7 @@ def _d_rollback(w: Any, rng: random.Random, variant: int) -> Directed:
 
 
 def _d_saver(w: Any, rng: random.Random, variant: int) -> Directed:
-    from adapters.langgraph_saver import OnceOnlySaver
+    from onceonly.adapters.langgraph_saver import OnceOnlySaver
     from tests.ledger_support import keyring as ring
     from tests.test_langgraph_saver_integrity import (
         PERMISSIVE,
@@ -755,7 +755,7 @@ def test_control_a_ledger_that_does_not_check_its_chain_is_caught(
         found = cur.fetchone()
         return None if found is None else (int(found[0]), bytes(found[1]))
 
-    monkeypatch.setattr("ledger.ledger.head_of", last_event)
+    monkeypatch.setattr("onceonly.ledger.ledger.head_of", last_event)
     monkeypatch.setattr(Ledger, "_advance_head", lambda self, cur, chain, old, seq, h: None)
     monkeypatch.setattr(Ledger, "_check_chain", lambda self, cur, chain: None)
     monkeypatch.setattr(Ledger, "_check_absent", lambda self, cur, chain, ids: None)
@@ -774,11 +774,11 @@ def test_control_a_ledger_that_does_not_check_its_chain_is_caught(
 def test_control_a_store_that_checks_no_seals_is_caught(
     tmp_path: Path, report: SuiteReport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from checkpoint.waits import Waits
+    from onceonly.checkpoint.waits import Waits
 
     # a store that checks no seals: neither its waits' nor its run rows'
     monkeypatch.setattr(Waits, "_checked", lambda self, row: tuple(row[:16]))
-    monkeypatch.setattr("checkpoint.store.check", lambda *args, **kwargs: None)
+    monkeypatch.setattr("onceonly.checkpoint.store.check", lambda *args, **kwargs: None)
     lg = Ledgers(f"sqlite:///{tmp_path / 'control.db'}", Clock(1_800_000_000.0))
     try:
         w = _directed_world(lg, tmp_path)

@@ -32,9 +32,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from checkpoint import Codec, OnceOnlyError, Store
-from checkpoint._delta import unpack
-from ledger import (
+from onceonly.checkpoint import Codec, OnceOnlyError, Store
+from onceonly.checkpoint._delta import unpack
+from onceonly.cli import cli
+from onceonly.ledger import (
     Claim,
     EffectInDoubt,
     EffectStatus,
@@ -46,10 +47,9 @@ from ledger import (
     ProviderClass,
     Replay,
 )
-from ledger._rows import effect_record
-from ledger._schema import COLUMNS
-from ledger.crypto import Sealer
-from onceonly.cli import cli
+from onceonly.ledger._rows import effect_record
+from onceonly.ledger._schema import COLUMNS
+from onceonly.ledger.crypto import Sealer
 from property_tests.reliability import SuiteReport, scaled, seeds
 from property_tests.s1_support import CountingProvider, wipe
 from property_tests.s9_faults import CommitFaults

@@ -53,11 +53,11 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
-from checkpoint import OnceOnlyError, RunStatus, Store, Waits
-from checkpoint import _delta as delta
-from ledger import EffectIdentity, InFlightPolicy, Ledger
+from onceonly.checkpoint import OnceOnlyError, RunStatus, Store, Waits
+from onceonly.checkpoint import _delta as delta
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
+from onceonly.ledger import EffectIdentity, InFlightPolicy, Ledger
 from onceonly.runtime import Runtime
 from tests.ledger_support import keyring
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from checkpoint import CheckpointNotFound, KeyframePolicy, RunNotFound, Store
+from onceonly.checkpoint import CheckpointNotFound, KeyframePolicy, RunNotFound, Store
 
 __all__ = ["KEYFRAMES", "model_state"]
 

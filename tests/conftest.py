@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import create_engine, text
 
-from checkpoint import Store
+from onceonly.checkpoint import Store
 
 from . import pgserver
 from .ledger_support import Clock, Ledgers

@@ -27,16 +27,16 @@ from typing import Any
 from .docs_runner import Block, DocError
 
 _SECTION_MODULES: dict[str, tuple[str, ...]] = {
-    "Effects ledger": ("ledger",),
+    "Effects ledger": ("onceonly.ledger",),
     "Adapters": (
-        "adapters",
-        "adapters.http",
-        "adapters.email",
-        "adapters.record",
-        "adapters.booking",
-        "adapters.mcp",
-        "adapters.langgraph",
-        "adapters.langgraph_saver",
+        "onceonly.adapters",
+        "onceonly.adapters.http",
+        "onceonly.adapters.email",
+        "onceonly.adapters.record",
+        "onceonly.adapters.booking",
+        "onceonly.adapters.mcp",
+        "onceonly.adapters.langgraph",
+        "onceonly.adapters.langgraph_saver",
     ),
     "Runtime": (
         "onceonly.flow",
@@ -48,7 +48,7 @@ _SECTION_MODULES: dict[str, tuple[str, ...]] = {
         "onceonly.testing",
     ),
 }
-_DEFAULT_MODULES = ("checkpoint",)
+_DEFAULT_MODULES = ("onceonly.checkpoint",)
 _ATTRIBUTE = re.compile(r"^(?P<name>[A-Za-z_][\w.]*): .+$")
 _HEAD = re.compile(r"^(?P<name>[A-Za-z_][\w.]*)\(", re.DOTALL)
 _UNCHANGED = "_UNCHANGED_"

@@ -57,10 +57,10 @@ from langgraph.prebuilt import ToolNode, tools_condition
 from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command, Send
 
-from adapters import current_claim
-from adapters.langgraph import PlanNotDurable, ToolGuard, ToolPolicy
-from checkpoint import ConfigurationError
-from ledger import EffectInDoubt, EffectRecord, Evidence
+from onceonly.adapters import current_claim
+from onceonly.adapters.langgraph import PlanNotDurable, ToolGuard, ToolPolicy
+from onceonly.checkpoint import ConfigurationError
+from onceonly.ledger import EffectInDoubt, EffectRecord, Evidence
 
 __all__ = ["CALLS", "HeldSaver", "Unwaiting", "build", "lookup_probe"]
 
@@ -317,8 +317,8 @@ def build(
 
 
 def _worker(argv: Sequence[str]) -> int:
-    from checkpoint import Store
-    from ledger import Ledger
+    from onceonly.checkpoint import Store
+    from onceonly.ledger import Ledger
     from tests.ledger_support import keyring
 
     parser = argparse.ArgumentParser()
@@ -343,7 +343,7 @@ def _worker(argv: Sequence[str]) -> int:
         conn = sqlite3.connect(args.saver_path, check_same_thread=False)
         inner, close = SqliteSaver(conn), conn.close
     else:
-        from adapters.langgraph_saver import OnceOnlySaver
+        from onceonly.adapters.langgraph_saver import OnceOnlySaver
 
         onceonly = OnceOnlySaver.from_url(args.db_url, keyring=keyring())
         inner, close = onceonly, onceonly.close

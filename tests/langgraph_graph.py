@@ -26,10 +26,10 @@ from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
 
-from adapters import RetryPolicy, current_claim
-from adapters.langgraph import ToolGuard, ToolPolicy
-from checkpoint import ConfigurationError
-from ledger import OutcomeClass
+from onceonly.adapters import RetryPolicy, current_claim
+from onceonly.adapters.langgraph import ToolGuard, ToolPolicy
+from onceonly.checkpoint import ConfigurationError
+from onceonly.ledger import OutcomeClass
 
 __all__ = ["CALLS", "NOTIFY", "Tools", "build", "classify_notify", "tool_messages"]
 
@@ -134,8 +134,8 @@ def tool_messages(state: dict[str, Any]) -> dict[str, Any]:
 def _worker(db_url: str, saver_path: str, url: str, thread: str, phase: str) -> int:
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from checkpoint import Store
-    from ledger import Ledger
+    from onceonly.checkpoint import Store
+    from onceonly.ledger import Ledger
     from tests.ledger_support import keyring
 
     store = Store.open(db_url)

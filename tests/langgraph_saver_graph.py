@@ -22,7 +22,7 @@ from langgraph.graph.message import add_messages
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import Command, interrupt
 
-from adapters.langgraph_saver import OnceOnlySaver
+from onceonly.adapters.langgraph_saver import OnceOnlySaver
 
 __all__ = ["START_INPUT", "build", "config", "summary"]
 

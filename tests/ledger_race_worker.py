@@ -19,8 +19,8 @@ import os
 import sys
 import time
 
-from checkpoint import Store
-from ledger import Claim, EffectIdentity, EffectInFlight, InFlightPolicy, Keyring, Ledger
+from onceonly.checkpoint import Store
+from onceonly.ledger import Claim, EffectIdentity, EffectInFlight, InFlightPolicy, Keyring, Ledger
 from tests.ledger_support import K1, K2
 
 RUNS = 4

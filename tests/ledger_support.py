@@ -17,8 +17,8 @@ from typing import Any
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.engine import Engine
 
-from checkpoint import Store
-from ledger import EffectIdentity, InFlightPolicy, Keyring, Ledger, Secret
+from onceonly.checkpoint import Store
+from onceonly.ledger import EffectIdentity, InFlightPolicy, Keyring, Ledger, Secret
 from tests.dbutil import execute, fetch
 
 __all__ = [

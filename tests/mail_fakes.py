@@ -29,7 +29,7 @@ from typing import Any
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
-from adapters.email import IMAPMailbox, SMTPServer
+from onceonly.adapters.email import IMAPMailbox, SMTPServer
 
 __all__ = ["HOST", "Delivery", "Fault", "FaultySMTP", "MailDevel", "free_port"]
 

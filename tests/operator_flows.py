@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from adapters import current_claim, guard
+from onceonly.adapters import current_claim, guard
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
 

@@ -27,11 +27,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from adapters import current_claim, guard
-from checkpoint import RunStatus, Store, WaitStatus
-from ledger import EffectRecord, Evidence, InFlightPolicy, Keyring, Ledger, Secret
+from onceonly.adapters import current_claim, guard
+from onceonly.checkpoint import RunStatus, Store, WaitStatus
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
+from onceonly.ledger import EffectRecord, Evidence, InFlightPolicy, Keyring, Ledger, Secret
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
 

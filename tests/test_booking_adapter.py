@@ -17,16 +17,16 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from adapters import RetryPolicy, step
-from adapters.booking import (
+from onceonly.adapters import RetryPolicy, step
+from onceonly.adapters.booking import (
     AsyncGuardedBooking,
     BookingRejected,
     Confirmation,
     GuardedBooking,
     Hold,
 )
-from checkpoint import Store
-from ledger import EffectFailed, EffectInDoubt, EffectRecord, EffectStatus, Ledger
+from onceonly.checkpoint import Store
+from onceonly.ledger import EffectFailed, EffectInDoubt, EffectRecord, EffectStatus, Ledger
 from tests.booking_fake import BookingProvider
 from tests.ledger_support import Ledgers
 

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import create_engine, inspect
 
-from checkpoint import Codec, Handoff, RunStatus, Store
+from onceonly.checkpoint import Codec, Handoff, RunStatus, Store
 from onceonly.cli import cli
 from tests.values import Point, make_codec
 

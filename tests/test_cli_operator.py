@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from adapters import guard
-from checkpoint import (
+from onceonly._cli_common import format_duration, parse_duration
+from onceonly.adapters import guard
+from onceonly.checkpoint import (
     CodecError,
     ConfigurationError,
     RunStatus,
@@ -33,12 +34,18 @@ from checkpoint import (
     WaitRefused,
     subject_hash,
 )
-from ledger import Claim, EffectIdentity, EffectInDoubt, EffectStatus, InvalidTransition, LeaseLost
-from onceonly._cli_common import format_duration, parse_duration
 from onceonly.cli import cli
 from onceonly.context import StepContext
 from onceonly.errors import RunNotResumable
 from onceonly.flow import Flow, Transition
+from onceonly.ledger import (
+    Claim,
+    EffectIdentity,
+    EffectInDoubt,
+    EffectStatus,
+    InvalidTransition,
+    LeaseLost,
+)
 from onceonly.runtime import Runtime
 from tests.ledger_support import K1, Clock, Ledgers
 from tests.operator_flows import FLOWS, deliveries

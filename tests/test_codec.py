@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoint import Codec, CodecError, CorruptRecord, Opaque, UnknownCodecTag
+from onceonly.checkpoint import Codec, CodecError, CorruptRecord, Opaque, UnknownCodecTag
 from tests.codec_corpus import corpus
 from tests.values import (
     Note,

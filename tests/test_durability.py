@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
-from checkpoint import (
+from onceonly.checkpoint import (
     AsyncWriteError,
     CheckpointLost,
     Durability,

@@ -19,16 +19,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from adapters import RetryPolicy, step
-from adapters.email import (
+from onceonly.adapters import RetryPolicy, step
+from onceonly.adapters.email import (
     EmailNotSent,
     EmailRejected,
     GuardedSMTP,
     IMAPMailbox,
 )
-from checkpoint import ConfigurationError, RunStatus, Store
-from checkpoint.failpoints import armed
-from ledger import (
+from onceonly.checkpoint import ConfigurationError, RunStatus, Store
+from onceonly.checkpoint.failpoints import armed
+from onceonly.context import StepContext
+from onceonly.flow import Flow, Transition
+from onceonly.ledger import (
     EffectFailed,
     EffectInDoubt,
     EffectRecord,
@@ -36,8 +38,6 @@ from ledger import (
     KeyReuseError,
     Ledger,
 )
-from onceonly.context import StepContext
-from onceonly.flow import Flow, Transition
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
 from tests.ledger_support import Ledgers

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from adapters import RetryPolicy, StepDiverged, current_claim, guard, identity_for, step
-from checkpoint import ConfigurationError, Store
-from ledger import (
+from onceonly.adapters import RetryPolicy, StepDiverged, current_claim, guard, identity_for, step
+from onceonly.checkpoint import ConfigurationError, Store
+from onceonly.ledger import (
     Claim,
     EffectFailed,
     EffectInDoubt,
@@ -220,7 +220,7 @@ def test_a_probe_proving_not_happened_sends_within_a_single_attempt(
     dead = ledgers.on(store, owner="w1")
     provider = Provider()
     with step("run-1", "s"):
-        from adapters.context import identity_for
+        from onceonly.adapters.context import identity_for
 
         dead.claim(identity_for("send@1"), {"to": "a@x"}, provider_class="B")
     successor = ledgers.fresh(owner="w1")

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from adapters import current_claim, guard
-from checkpoint import RunStatus, Store
-from ledger import EffectRecord, EffectStatus, Evidence, RetentionPolicy
+from onceonly.adapters import current_claim, guard
+from onceonly.checkpoint import RunStatus, Store
 from onceonly.context import BranchContext, StepContext
 from onceonly.flow import Flow, Transition
+from onceonly.ledger import EffectRecord, EffectStatus, Evidence, RetentionPolicy
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
 from onceonly.worker import Worker

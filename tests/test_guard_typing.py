@@ -15,9 +15,9 @@ from typing import Any, assert_type
 
 import pytest
 
-from adapters import guard, step
-from checkpoint import Store
-from ledger import Ledger
+from onceonly.adapters import guard, step
+from onceonly.checkpoint import Store
+from onceonly.ledger import Ledger
 from tests.ledger_support import Ledgers
 
 

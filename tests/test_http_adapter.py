@@ -16,10 +16,10 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from adapters import RetryPolicy, step
-from adapters.http import AsyncGuardedHTTP, GuardedHTTP, HTTPRejected
-from checkpoint import ConfigurationError, Store
-from ledger import EffectFailed, EffectInDoubt, EffectStatus, KeyReuseError, Ledger
+from onceonly.adapters import RetryPolicy, step
+from onceonly.adapters.http import AsyncGuardedHTTP, GuardedHTTP, HTTPRejected
+from onceonly.checkpoint import ConfigurationError, Store
+from onceonly.ledger import EffectFailed, EffectInDoubt, EffectStatus, KeyReuseError, Ledger
 from tests.http_fake import FakeProvider
 from tests.ledger_support import Clock, Ledgers
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from checkpoint import Codec, CorruptRecord, Store, UnknownCodecTag
-from checkpoint import _delta as delta
+from onceonly.checkpoint import Codec, CorruptRecord, Store, UnknownCodecTag
+from onceonly.checkpoint import _delta as delta
 from tests.dbutil import blob_hashes, execute, fetch
 from tests.values import Note, Point, make_codec
 

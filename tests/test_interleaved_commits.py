@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from checkpoint import store as store_module
-from checkpoint.store import Store
-from ledger import Claim, EffectInFlight, Ledger
+from onceonly.checkpoint import store as store_module
+from onceonly.checkpoint.store import Store
+from onceonly.ledger import Claim, EffectInFlight, Ledger
 from tests.ledger_support import Ledgers, ident
 
 

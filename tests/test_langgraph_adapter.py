@@ -24,10 +24,10 @@ from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from adapters import RetryPolicy
-from adapters.langgraph import ToolGuard, ToolPolicy
-from checkpoint import ConfigurationError
-from ledger import (
+from onceonly.adapters import RetryPolicy
+from onceonly.adapters.langgraph import ToolGuard, ToolPolicy
+from onceonly.checkpoint import ConfigurationError
+from onceonly.ledger import (
     EffectInDoubt,
     EffectRecord,
     EffectStatus,

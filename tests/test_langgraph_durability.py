@@ -33,9 +33,9 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.prebuilt.tool_node import ToolCallRequest
 from langgraph.types import Command
 
-from adapters.langgraph import PlanNotDurable, ToolGuard, ToolPolicy
-from checkpoint import ConfigurationError
-from ledger import EffectStatus, KeyReuseError, Ledger
+from onceonly.adapters.langgraph import PlanNotDurable, ToolGuard, ToolPolicy
+from onceonly.checkpoint import ConfigurationError
+from onceonly.ledger import EffectStatus, KeyReuseError, Ledger
 from tests.conftest import BACKENDS
 from tests.http_fake import FakeProvider
 from tests.langgraph_durability import HeldSaver, Unwaiting, build, lookup_probe

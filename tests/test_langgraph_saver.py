@@ -19,9 +19,9 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.types import Command
 from sqlalchemy import create_engine, text
 
-from adapters._langgraph_values import SerdeValue, register
-from adapters.langgraph_saver import OnceOnlySaver, copy_threads
-from checkpoint import ConfigurationError, CorruptRecord, Store
+from onceonly.adapters._langgraph_values import SerdeValue, register
+from onceonly.adapters.langgraph_saver import OnceOnlySaver, copy_threads
+from onceonly.checkpoint import ConfigurationError, CorruptRecord, Store
 from tests.langgraph_saver_graph import START_INPUT, build, config, summary
 from tests.ledger_support import K1, keyring
 

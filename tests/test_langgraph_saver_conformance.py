@@ -19,8 +19,8 @@ import pytest
 from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.report import CapabilityReport
 
-from adapters.langgraph_saver import OnceOnlySaver
-from checkpoint import Store
+from onceonly.adapters.langgraph_saver import OnceOnlySaver
+from onceonly.checkpoint import Store
 from tests.ledger_support import keyring
 
 OPTIONAL = ("copy_thread", "delete_for_runs", "prune")

@@ -27,11 +27,11 @@ from langgraph.types import Command, Interrupt, Send
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Engine
 
-from adapters import _langgraph_schema as schema
-from adapters._langgraph_values import SerdeValue, register, seal, unseal
-from adapters.langgraph_saver import OnceOnlySaver, StrictSerializer, UnregisteredType
-from adapters.langgraph_saver import migrate as langgraph_migrate
-from checkpoint import (
+from onceonly.adapters import _langgraph_schema as schema
+from onceonly.adapters._langgraph_values import SerdeValue, register, seal, unseal
+from onceonly.adapters.langgraph_saver import OnceOnlySaver, StrictSerializer, UnregisteredType
+from onceonly.adapters.langgraph_saver import migrate as langgraph_migrate
+from onceonly.checkpoint import (
     Codec,
     CodecError,
     ConfigurationError,
@@ -39,8 +39,8 @@ from checkpoint import (
     SchemaVersionError,
     Store,
 )
-from checkpoint import _delta as delta
-from ledger import Keyring, Ledger
+from onceonly.checkpoint import _delta as delta
+from onceonly.ledger import Keyring, Ledger
 from tests.dbutil import execute, fetch
 from tests.ledger_support import K1, K2, keyring
 

@@ -20,8 +20,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from checkpoint import Store
-from ledger import (
+from onceonly.checkpoint import Store
+from onceonly.ledger import (
     Claim,
     EffectIdentity,
     EffectStatus,
@@ -32,7 +32,7 @@ from ledger import (
     RetentionPolicy,
     UnknownEffect,
 )
-from ledger.audit import event_hash
+from onceonly.ledger.audit import event_hash
 from tests.dbutil import execute, fetch
 from tests.ledger_support import Clock, Ledgers, effect_row, ident, sqlite_path
 

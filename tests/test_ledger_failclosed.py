@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from checkpoint import DatabaseRetry, Store
-from ledger import (
+from onceonly.checkpoint import DatabaseRetry, Store
+from onceonly.ledger import (
     Claim,
     EffectInDoubt,
     EffectInFlight,

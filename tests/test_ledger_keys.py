@@ -17,8 +17,8 @@ from typing import Any
 import blake3
 import pytest
 
-from checkpoint import Codec, ConfigurationError, Store
-from ledger import (
+from onceonly.checkpoint import Codec, ConfigurationError, Store
+from onceonly.ledger import (
     Claim,
     EffectFailed,
     EffectIdentity,
@@ -31,7 +31,7 @@ from ledger import (
     Replay,
     Secret,
 )
-from ledger.keys import canonical_args
+from onceonly.ledger.keys import canonical_args
 from tests.dbutil import fetch
 from tests.ledger_support import K1, K2, Ledgers, audit_rows, effect_row, ident
 
@@ -71,9 +71,9 @@ GOLDEN = {
 # order depends on the hash seed (sets, dicts built from sets).
 PROBE = r"""
 import json
-from checkpoint import Codec
-from ledger import EffectIdentity, Keyring, Secret
-from ledger.keys import canonical_args
+from onceonly.checkpoint import Codec
+from onceonly.ledger import EffectIdentity, Keyring, Secret
+from onceonly.ledger.keys import canonical_args
 
 ring = Keyring([Secret("k1", bytes(range(32))), Secret("k2", bytes(range(100, 148)))])
 ids = {

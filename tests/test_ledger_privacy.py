@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from checkpoint import CorruptRecord, OnceOnlyError, Store
-from ledger import (
+from onceonly.checkpoint import CorruptRecord, OnceOnlyError, Store
+from onceonly.ledger import (
     Claim,
     EffectFailed,
     EffectInDoubt,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import inspect
 
-from checkpoint import SchemaVersionError, Store
-from ledger import (
+from onceonly.checkpoint import SchemaVersionError, Store
+from onceonly.ledger import (
     Claim,
     EffectRecord,
     EffectStatus,

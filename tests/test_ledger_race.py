@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint import Store
-from ledger import EffectStatus, Keyring, Ledger
+from onceonly.checkpoint import Store
+from onceonly.ledger import EffectStatus, Keyring, Ledger
 from tests.ledger_race_worker import RUNS, identity
 from tests.ledger_support import K1, K2, sqlite_path
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from checkpoint import ConfigurationError, Store
-from ledger import (
+from onceonly.checkpoint import ConfigurationError, Store
+from onceonly.ledger import (
     Claim,
     EffectFailed,
     EffectInDoubt,

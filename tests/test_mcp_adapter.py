@@ -31,8 +31,8 @@ from mcp.types import (
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from adapters import RetryPolicy, step
-from adapters.mcp import (
+from onceonly.adapters import RetryPolicy, step
+from onceonly.adapters.mcp import (
     GuardedMCP,
     MCPNotSent,
     MCPToolError,
@@ -40,8 +40,8 @@ from adapters.mcp import (
     MetaKey,
     classify_mcp,
 )
-from checkpoint import ConfigurationError, Store
-from ledger import (
+from onceonly.checkpoint import ConfigurationError, Store
+from onceonly.ledger import (
     EffectFailed,
     EffectInDoubt,
     EffectRecord,

@@ -10,15 +10,15 @@ from types import ModuleType
 
 import pytest
 
-import checkpoint
-import checkpoint.errors
-from checkpoint import OnceOnlyError
+from onceonly import checkpoint
+from onceonly.checkpoint import OnceOnlyError
+from onceonly.checkpoint import errors as checkpoint_errors
 
-PACKAGES = ["checkpoint", "ledger", "adapters", "onceonly"]
+PACKAGES = ["onceonly.checkpoint", "onceonly.ledger", "onceonly.adapters", "onceonly"]
 
 
 CHECKPOINT_MODULES = [
-    f"checkpoint.{info.name}"
+    f"onceonly.checkpoint.{info.name}"
     for info in pkgutil.iter_modules(checkpoint.__path__)
     if not info.name.startswith("_")
 ]
@@ -63,27 +63,29 @@ def test_all_lists_every_public_class_and_function_defined_in_the_module(name: s
 
 def test_the_checkpoint_package_exports_its_public_modules() -> None:
     exported = set(_all(checkpoint))
-    assert {"checkpoint.codec", "checkpoint.errors", "checkpoint.records"} <= set(
-        CHECKPOINT_MODULES
-    )
+    assert {
+        "onceonly.checkpoint.codec",
+        "onceonly.checkpoint.errors",
+        "onceonly.checkpoint.records",
+    } <= set(CHECKPOINT_MODULES)
     for name in CHECKPOINT_MODULES:
         assert set(_all(importlib.import_module(name))) <= exported, name
 
 
 def test_every_error_derives_from_onceonly_error() -> None:
-    names = _all(checkpoint.errors)
+    names = _all(checkpoint_errors)
     assert "OnceOnlyError" in names
     for name in names:
-        obj = getattr(checkpoint.errors, name)
+        obj = getattr(checkpoint_errors, name)
         assert inspect.isclass(obj), name
         assert issubclass(obj, OnceOnlyError), name
         assert issubclass(obj, Exception), name
     defined = [
         obj
-        for obj in vars(checkpoint.errors).values()
+        for obj in vars(checkpoint_errors).values()
         if inspect.isclass(obj)
         and issubclass(obj, BaseException)
-        and obj.__module__ == "checkpoint.errors"
+        and obj.__module__ == "onceonly.checkpoint.errors"
     ]
     assert all(issubclass(obj, OnceOnlyError) for obj in defined)
     assert {obj.__name__ for obj in defined} == set(names)

@@ -42,10 +42,15 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
-from adapters import RetryPolicy, step
-from adapters.record import GuardedTable, RecordNotSent, RecordRejected, ReferenceReuseError
-from checkpoint import ConfigurationError, Store
-from ledger import EffectFailed, EffectInDoubt, EffectStatus, KeyReuseError, Ledger
+from onceonly.adapters import RetryPolicy, step
+from onceonly.adapters.record import (
+    GuardedTable,
+    RecordNotSent,
+    RecordRejected,
+    ReferenceReuseError,
+)
+from onceonly.checkpoint import ConfigurationError, Store
+from onceonly.ledger import EffectFailed, EffectInDoubt, EffectStatus, KeyReuseError, Ledger
 from tests.dbutil import execute, fetch
 from tests.ledger_support import Clock, Ledgers
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from adapters import current_claim, guard
-from checkpoint import (
+from onceonly.adapters import current_claim, guard
+from onceonly.checkpoint import (
     ConfigurationError,
     Handoff,
     RunStatus,
@@ -30,10 +30,10 @@ from checkpoint import (
     Waits,
     WaitStatus,
 )
-from ledger import EffectIdentity, EffectStatus
 from onceonly.context import BranchContext, StepContext
 from onceonly.errors import RunNotResumable
 from onceonly.flow import Flow, Transition
+from onceonly.ledger import EffectIdentity, EffectStatus
 from onceonly.operator import Operator
 from onceonly.runtime import META, Runtime
 from tests.ledger_support import Clock, Ledgers

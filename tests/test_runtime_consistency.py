@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from adapters import current_claim, guard
-from checkpoint import CodecError, Durability, RunNotFound, RunStatus
-from checkpoint.failpoints import armed
-from ledger import Ledger
+from onceonly.adapters import current_claim, guard
+from onceonly.checkpoint import CodecError, Durability, RunNotFound, RunStatus
+from onceonly.checkpoint.failpoints import armed
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
+from onceonly.ledger import Ledger
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
 from onceonly.worker import Worker

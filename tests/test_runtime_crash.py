@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint import RunStatus, Store
+from onceonly.checkpoint import RunStatus, Store
 from tests.runtime_worker import KILL_POINTS, deliveries, open_ledger
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,7 @@ from sqlalchemy import Column, Integer, MetaData, Table, create_engine, event, i
 from sqlalchemy.engine import Engine
 from sqlalchemy.schema import CreateTable
 
-import checkpoint._schema as schema_module
-from checkpoint import (
+from onceonly.checkpoint import (
     ConfigurationError,
     DatabaseLocked,
     DatabaseRetry,
@@ -30,6 +29,7 @@ from checkpoint import (
     WeakDurabilityError,
     migrate,
 )
+from onceonly.checkpoint import _schema as schema_module
 from tests.dbutil import execute, fetch
 
 CHECKPOINT_TABLES = {

@@ -25,8 +25,8 @@ import psycopg
 import pytest
 from sqlalchemy import create_engine, make_url, text
 
-from adapters.langgraph_saver import OnceOnlySaver
-from checkpoint import (
+from onceonly.adapters.langgraph_saver import OnceOnlySaver
+from onceonly.checkpoint import (
     ConfigurationError,
     DatabaseRetry,
     DatabaseUnavailable,
@@ -37,8 +37,8 @@ from checkpoint import (
     redact,
     safe_url,
 )
-from checkpoint._engine import translate
-from ledger import migrate as ledger_migrate
+from onceonly.checkpoint._engine import translate
+from onceonly.ledger import migrate as ledger_migrate
 from onceonly.worker import _describe, _Listener
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from checkpoint import Store
+from onceonly.checkpoint import Store
 
 
 def test_round_trip(store: Store) -> None:

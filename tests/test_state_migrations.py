@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from checkpoint import (
+from onceonly.checkpoint import (
     ConfigurationError,
     Source,
     StateMigrations,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from checkpoint import (
+from onceonly.checkpoint import (
     CheckpointNotFound,
     Codec,
     CodecError,

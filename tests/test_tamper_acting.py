@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from adapters import current_claim, guard
-from checkpoint import CorruptRecord, RunStatus, Store, Waits, WaitStatus
-from checkpoint import _delta as delta
-from ledger import EffectIdentity, Ledger
-from ledger._integrity import StoreRolledBack
-from ledger.audit import event_hash, row_digest
+from onceonly.adapters import current_claim, guard
+from onceonly.checkpoint import CorruptRecord, RunStatus, Store, Waits, WaitStatus
+from onceonly.checkpoint import _delta as delta
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
+from onceonly.ledger import EffectIdentity, Ledger
+from onceonly.ledger._integrity import StoreRolledBack
+from onceonly.ledger.audit import event_hash, row_digest
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
 from onceonly.worker import Worker
@@ -443,7 +443,7 @@ def test_a_rejection_put_back_to_its_open_version_is_refused(world: World, then:
 def test_a_restored_store_serves_no_run_or_wait_behind_its_witness(
     world: World, tmp_path: Any
 ) -> None:
-    from checkpoint import RunRolledBack
+    from onceonly.checkpoint import RunRolledBack
     from tests.test_ledger_audit import table_names
 
     path = str(tmp_path / "witness")

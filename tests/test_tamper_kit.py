@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from checkpoint import OnceOnlyError
+from onceonly.checkpoint import OnceOnlyError
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["sqlite"] if os.environ.get("ONCEONLY_TEST_NO_PG") == "1" else ["sqlite", "postgresql"]
@@ -182,7 +182,7 @@ def test_an_effect_put_back_to_its_claimed_version_is_not_sent_again(backend: st
 @pytest.mark.usefixtures("pg_env")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rejected_approval_put_back_to_open_is_not_acted_on(backend: str) -> None:
-    from checkpoint import Waits
+    from onceonly.checkpoint import Waits
     from tests import agmi_adapters
 
     adapter: agmi_adapters.WaitsSqlite = getattr(agmi_adapters, "Waits" + CLASS_SUFFIX[backend])()

@@ -33,15 +33,17 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from adapters.http import GuardedHTTP
-from checkpoint import (
+from onceonly.adapters.http import GuardedHTTP
+from onceonly.checkpoint import (
     DatabaseRetry,
     DatabaseUnavailable,
     RunStatus,
     Store,
     is_transient,
 )
-from ledger import (
+from onceonly.context import StepContext
+from onceonly.flow import Flow, Transition
+from onceonly.ledger import (
     Claim,
     EffectInDoubt,
     EffectStatus,
@@ -50,8 +52,6 @@ from ledger import (
     LedgerUnavailable,
     Replay,
 )
-from onceonly.context import StepContext
-from onceonly.flow import Flow, Transition
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
 from onceonly.worker import Worker

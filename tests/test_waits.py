@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from checkpoint import (
+from onceonly.checkpoint import (
     ConfigurationError,
     RunNotFound,
     RunStatus,

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from checkpoint import RunStatus, Store, migrate, subject_hash
-from ledger import EffectStatus, Keyring, Ledger, Secret
-from ledger import migrate as ledger_migrate
+from onceonly.checkpoint import RunStatus, Store, migrate, subject_hash
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
+from onceonly.ledger import EffectStatus, Keyring, Ledger, Secret
+from onceonly.ledger import migrate as ledger_migrate
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
 from onceonly.worker import Worker

@@ -18,7 +18,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from checkpoint import Codec
+from onceonly.checkpoint import Codec
 
 __all__ = [
     "Note",

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from adapters.http import GuardedHTTP
+from onceonly.adapters.http import GuardedHTTP
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
 

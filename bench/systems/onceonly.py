@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import workload
-from checkpoint import Durability, KeyframePolicy, Store
+from onceonly.checkpoint import Durability, KeyframePolicy, Store
 
 from . import AtPoint, LoadResult, System, WriteResult
 

@@ -19,8 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from bench import workload
-from checkpoint import Store
-from ledger import Claim, EffectIdentity, EffectStatus, InFlightPolicy, Keyring, Ledger, Secret
+from onceonly.checkpoint import Store
+from onceonly.ledger import (
+    Claim,
+    EffectIdentity,
+    EffectStatus,
+    InFlightPolicy,
+    Keyring,
+    Ledger,
+    Secret,
+)
 
 from . import CallsResult, W1System
 
