@@ -9,7 +9,7 @@ A page is cut into fenced blocks. In page order:
 - any other ``python`` block runs in the page's Python session: one interpreter per page,
   one namespace, the working directory and the environment of the page's shell (top-level
   ``await`` runs on the session's event loop);
-- an ``sh`` block runs with ``bash`` in the page's working directory, with the venv's
+- an ``sh`` block (also ``bash``, ``shell``, ``console``) runs with ``bash`` in the page's working directory, with the venv's
   ``bin`` first on ``PATH``; the environment it ends with (``export``, ``cd``) is the
   next block's, so a page is one shell session. Its last command must succeed. A block
   whose output the page does not show runs under ``set -e`` (every command must
@@ -22,7 +22,15 @@ A page is cut into fenced blocks. In page order:
   ``<!-- output: loose -->`` hex runs of 16 digits or more are placeholders too (hashes
   of contents with a time in them), and each non-blank line of the page must appear in
   the output, in order;
-- other blocks (``text`` elsewhere, ``sql``, ``ini``...) are illustrations.
+- other blocks (``text`` elsewhere, ``sql``, ``ini``...) are illustrations;
+- a ``file:`` block must be used by a later block of the page that runs (its name, or
+  its module name, appears in it): a file written and never run is not checked.
+
+With ``ONCEONLY_DOCS_REGENERATE=1`` (see :mod:`tests.test_docs`) a ``text`` block whose
+output differs is rewritten in place with what the snippet printed (ids, times and paths
+as they came out; the normaliser makes them placeholders on the next run). A block that
+elides lines (``...``) or is compared loosely is not rewritten: its mismatch fails as
+usual, to be edited by hand.
 
 Each page starts in a fresh directory, with ``HOME`` inside it, nothing of the test
 process's environment but the locale, and ``COLUMNS=200`` ("a terminal wide enough not to
@@ -59,6 +67,7 @@ REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 BLOCK_TIMEOUT_S = 120.0
 
+SHELL_LANGS = frozenset({"sh", "bash", "shell", "console"})
 _FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*(?P<kind>not run|file|output)\s*:\s*(?P<value>.*?)\s*-->\s*$")
 
@@ -217,6 +226,9 @@ class PageStats:
     files: int = 0
     compared: int = 0
     checked_signatures: int = 0
+    regenerated: int = 0
+    not_run: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+    """(line, language, reason) of each block a ``not run`` marker skips."""
 
 
 def _fail(block: Block, what: str, detail: str) -> DocError:
@@ -321,6 +333,45 @@ def run_sh(
     return proc.returncode, proc.stdout, new_cwd, new_env
 
 
+def _regenerable(block: Block) -> bool:
+    """Whether regenerating may rewrite ``block`` (it shows every line, compared exactly)."""
+    elides = any(line.strip() in ("...", "…") for line in block.code.splitlines())
+    return not elides and block.marker != ("output", "loose")
+
+
+def _check_used(block: Block, later: list[Block]) -> None:
+    """Raise :class:`DocError` unless a later block that runs uses the file ``block`` writes."""
+    assert block.marker is not None
+    name = block.marker[1]
+    stem = Path(name).with_suffix("").as_posix()
+    names = {name, stem.replace("/", "."), Path(stem).name}
+    for other in later:
+        if other.marker is not None and other.marker[0] == "not run":
+            continue
+        if other.marker is not None and other.marker == ("file", name):
+            break  # rewritten: this version had to be used before
+        if other.lang not in SHELL_LANGS | {"python"}:
+            continue
+        if any(re.search(rf"(?<![\w/.-]){re.escape(n)}(?![\w-])", other.code) for n in names):
+            return
+    raise DocError(
+        f"{block.where}: the file {name} is written but no later block that runs uses it"
+    )
+
+
+def regenerate(path: Path, outputs: list[tuple[Block, str]], workdir: Path) -> None:
+    """Rewrite the ``text`` blocks of ``outputs`` in ``path`` with the output each got."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    for block, output in sorted(outputs, key=lambda bo: bo[0].line, reverse=True):
+        fence = lines[block.line - 1]
+        indent = fence[: len(fence) - len(fence.lstrip())]
+        text = output.replace(str(workdir), "<workdir>")
+        body = [line.rstrip() for line in text.strip("\n").splitlines()]
+        new = [f"{indent}{line}\n" if line else "\n" for line in body]
+        lines[block.line : block.end_line - 1] = new
+    path.write_text("".join(lines), encoding="utf-8")
+
+
 def _shows_output(block: Block) -> bool:
     return block.lang == "text" and block.follows_block
 
@@ -353,8 +404,9 @@ def run_page(
                     diff = _compare(
                         normalise(block.code), normalise(output, workdir=workdir), loose=loose
                     )
-                    if diff is not None and on_mismatch is not None:
+                    if diff is not None and on_mismatch is not None and _regenerable(block):
                         on_mismatch(block, output)
+                        stats.regenerated += 1
                     elif diff is not None:
                         raise _fail(ran, f"printed other than {block.where} shows", "\n" + diff)
                     stats.compared += 1
@@ -363,6 +415,7 @@ def run_page(
             last_output, skip_output = None, False
             if block.marker is not None and block.marker[0] == "not run":
                 stats.skipped += 1
+                stats.not_run.append((block.line, block.lang, block.marker[1]))
                 skip_output = True
                 continue
             if block.lang == "python" and block.marker is not None and block.marker[0] == "file":
@@ -370,6 +423,7 @@ def run_page(
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(block.code, encoding="utf-8")
                 stats.files += 1
+                _check_used(block, blocks[i + 1 :])
                 continue
             if block.lang == "python" and signatures is not None:
                 signatures(block)
@@ -381,7 +435,7 @@ def run_page(
                 ok, output = session.run(block.code, cwd=cwd, env=env, where=block.where)
                 if not ok:
                     raise _fail(block, "raised", f"--- output\n{output}")
-            elif block.lang == "sh":
+            elif block.lang in SHELL_LANGS:
                 shown = i + 1 < len(blocks) and _shows_output(blocks[i + 1])
                 every = not shown and "$?" not in block.code
                 status, output, cwd, env = run_sh(block.code, cwd=cwd, env=env, every_command=every)

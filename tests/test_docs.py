@@ -4,11 +4,17 @@ Each page is one test: its snippets run in order in a fresh directory (see
 :mod:`tests.docs_runner` for the rules and the markers), and the first one that fails or
 prints other than the page shows fails the test with the page, the line, the block and the
 diff.
+
+``ONCEONLY_DOCS_REGENERATE=1`` rewrites the outputs a page shows with what its snippets
+print now, in place (after a change of the CLI's tables, say); review the diff, then run
+again without it. Every block a ``<!-- not run: REASON -->`` marker skips is listed in the
+test's ``docs`` property and counted by ``test_not_run_blocks_are_few_and_say_why``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +22,16 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from .docs_runner import REPO, Block, DocError, normalise, parse_page, run_page
+from .docs_runner import (
+    REPO,
+    SHELL_LANGS,
+    Block,
+    DocError,
+    normalise,
+    parse_page,
+    regenerate,
+    run_page,
+)
 from .docs_signatures import check_signature, section_of
 
 PAGES = sorted([*REPO.glob("docs/*.md"), REPO / "README.md"])
@@ -24,6 +39,10 @@ PAGES = sorted([*REPO.glob("docs/*.md"), REPO / "README.md"])
 # Pages written for a PostgreSQL server: the reader has exported ONCEONLY_DATABASE_URL
 # (the page's own `export` names a server we do not have, and is not run).
 POSTGRESQL_PAGES = frozenset({"howto-postgresql.md", "howto-workers-postgresql.md"})
+# How many blocks may carry a `not run` marker (templates with placeholders, servers we do
+# not have); lower it when one of them is made to run.
+NOT_RUN_BUDGET = 99
+REGENERATE = os.environ.get("ONCEONLY_DOCS_REGENERATE") == "1"
 
 
 @pytest.fixture
@@ -58,19 +77,38 @@ def test_page(page: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Non
         except DocError as exc:
             problems.append(str(exc))  # every wrong signature at once, not the first only
 
+    outputs: list[tuple[Block, str]] = []
     try:
         stats = run_page(
             page,
             tmp_path,
             extra_env=extra,
             signatures=signature if page.name == "reference.md" else None,
+            on_mismatch=(lambda block, output: outputs.append((block, output)))
+            if REGENERATE
+            else None,
         )
     except DocError as exc:
         problems.append(str(exc))
     else:
         request.node.user_properties.append(("docs", dataclasses.asdict(stats)))
+    finally:
+        if outputs:
+            regenerate(page, outputs, tmp_path)
     if problems:
         pytest.fail("\n\n".join(problems), pytrace=False)
+
+
+def test_not_run_blocks_are_few_and_say_why() -> None:
+    """Every Python and shell block runs, unless a marker says why not; the ones that do
+    not are counted here, so that a new one is a visible change."""
+    not_run: list[str] = []
+    for page in PAGES:
+        for block in parse_page(page):  # raises on a marker without a reason
+            if block.marker is not None and block.marker[0] == "not run":
+                assert block.lang in SHELL_LANGS | {"python", "ini"}, block.where
+                not_run.append(f"{block.where}: {block.marker[1]}")
+    assert len(not_run) <= NOT_RUN_BUDGET, "\n".join(not_run)
 
 
 # -- positive controls: a page that is wrong must fail ---------------------------------------
@@ -128,6 +166,35 @@ def test_session_env_and_files_carry_over(tmp_path: Path) -> None:
     )
     stats = run_page(page, tmp_path / "work")
     assert (stats.run, stats.files, stats.compared, stats.skipped) == (3, 1, 2, 2)
+
+
+def test_regenerate_rewrites_the_shown_output(tmp_path: Path) -> None:
+    text = "```sh\necho hello; echo\necho world\n```\n\n```text\ngoodbye\n```\n\nEnd.\n"
+    page = _page(tmp_path, text)
+    outputs: list[tuple[Block, str]] = []
+    stats = run_page(page, tmp_path / "work", on_mismatch=lambda b, o: outputs.append((b, o)))
+    assert stats.regenerated == 1
+    regenerate(page, outputs, tmp_path / "work")
+    assert page.read_text() == text.replace("goodbye", "hello\n\nworld")
+    run_page(page, tmp_path / "work")  # now it matches
+
+
+def test_elided_output_is_not_regenerated(tmp_path: Path) -> None:
+    page = _page(tmp_path, "```sh\necho a; echo b\n```\n\n```text\nc\n...\n```\n")
+    with pytest.raises(DocError, match="printed other than"):
+        run_page(page, tmp_path / "work", on_mismatch=lambda b, o: None)
+
+
+def test_unused_file_fails(tmp_path: Path) -> None:
+    page = _page(tmp_path, "<!-- file: app.py -->\n```python\nx = 1\n```\n\n```sh\ntrue\n```\n")
+    with pytest.raises(DocError, match="app.py is written but no later block"):
+        run_page(page, tmp_path / "work")
+
+
+def test_bash_and_shell_blocks_run(tmp_path: Path) -> None:
+    page = _page(tmp_path, "```bash\necho one\n```\n\n```text\none\n```\n\n```shell\nfalse\n```\n")
+    with pytest.raises(DocError, match=r"page.md:9: shell block failed"):
+        run_page(page, tmp_path / "work")
 
 
 def test_not_run_needs_a_reason(tmp_path: Path) -> None:
