@@ -9,13 +9,14 @@ A page is cut into fenced blocks. In page order:
 - any other ``python`` block runs in the page's Python session: one interpreter per page,
   one namespace, the working directory and the environment of the page's shell (top-level
   ``await`` runs on the session's event loop);
-- an ``sh`` block (also ``bash``, ``shell``, ``console``) runs with ``bash`` in the page's working directory, with the venv's
-  ``bin`` first on ``PATH``; the environment it ends with (``export``, ``cd``) is the
-  next block's, so a page is one shell session. Its last command must succeed. A block
-  whose output the page does not show runs under ``set -e`` (every command must
-  succeed) unless it reads ``$?``; one whose output the page shows may have a command
-  fail in the middle, as in a reader's shell, since the output (its ``error:`` line) is
-  compared. A page shows a failing last command with ``echo "exit status: $?"``;
+- an ``sh`` block (also ``bash``, ``shell``, ``console``) runs with ``bash`` in the
+  page's working directory, with the venv's ``bin`` first on ``PATH``; the environment
+  it ends with (``export``, ``cd``) is the next block's, so a page is one shell session.
+  Its last command must succeed. A block whose output the page does not show runs under
+  ``set -e`` (every command must succeed) unless it reads ``$?``; one whose output the
+  page shows may have a command fail in the middle, as in a reader's shell, since the
+  output (its ``error:`` line) is compared. A page shows a failing last command with
+  ``echo "exit status: $?"``;
 - a ``text`` block separated from the block before it by blank lines only is that block's
   expected output (stdout and stderr, interleaved), compared after :func:`normalise`;
   a line ``...`` (or ``…``) on the page stands for any lines; after

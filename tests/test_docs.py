@@ -187,7 +187,7 @@ def test_elided_output_is_not_regenerated(tmp_path: Path) -> None:
 
 def test_unused_file_fails(tmp_path: Path) -> None:
     page = _page(tmp_path, "<!-- file: app.py -->\n```python\nx = 1\n```\n\n```sh\ntrue\n```\n")
-    with pytest.raises(DocError, match="app.py is written but no later block"):
+    with pytest.raises(DocError, match=r"app\.py is written but no later block"):
         run_page(page, tmp_path / "work")
 
 
