@@ -179,6 +179,17 @@ def test_regenerate_rewrites_the_shown_output(tmp_path: Path) -> None:
     run_page(page, tmp_path / "work")  # now it matches
 
 
+def test_regenerate_keeps_lines_that_differ_only_in_placeholders(tmp_path: Path) -> None:
+    page = _page(
+        tmp_path,
+        "```sh\necho 'at 2026-01-01 10:00'; echo b\n```\n\n```text\nat 2025-05-05 09:00\nc\n```\n",
+    )
+    outputs: list[tuple[Block, str]] = []
+    run_page(page, tmp_path / "work", on_mismatch=lambda b, o: outputs.append((b, o)))
+    regenerate(page, outputs, tmp_path / "work")
+    assert "```text\nat 2025-05-05 09:00\nb\n```" in page.read_text()
+
+
 def test_elided_output_is_not_regenerated(tmp_path: Path) -> None:
     page = _page(tmp_path, "```sh\necho a; echo b\n```\n\n```text\nc\n...\n```\n")
     with pytest.raises(DocError, match="printed other than"):
