@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from onceonly._cli_common import format_duration, parse_duration
+from onceonly.cli._common import format_duration, parse_duration
 from onceonly.adapters import guard
 from onceonly.checkpoint import (
     CodecError,
