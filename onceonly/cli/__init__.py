@@ -34,6 +34,7 @@ from ._common import (
     open_ledger,
     operator,
     progress,
+    sqlite_path,
     url_option,
 )
 from ._logging import LOG_FORMATS, LOG_LEVELS
@@ -80,6 +81,7 @@ def migrate_cmd(url: str | None, sql: bool, langgraph: bool) -> None:
     from onceonly.ledger import migrate as ledger_migrate  # noqa: PLC0415
 
     target = db_url(url)
+    sqlite_path(target, must_exist=False)
     click.echo(migrate(target, sql=sql), nl=not sql)
     click.echo(ledger_migrate(target, sql=sql), nl=not sql)
     if langgraph:
@@ -227,18 +229,20 @@ def worker_cmd(
 
     from ._logging import configure  # noqa: PLC0415
 
-    configure(log_level.lower(), log_format)
-    flows = load_flows(flows_spec)
-    worker_owner = owner or default_owner()
-    with Store.open(db_url(url), durability=durability) as store:
-        ledger = open_ledger(store, required=True, owner=worker_owner, lease_s=claim_lease_s)
-        try:
-            rt = Runtime(store, ledger, flows, owner=worker_owner, lease_s=lease_s)
-            worker = Worker(rt, batch=batch, poll_s=poll_s)
-            worker.install_signal_handlers()
-            stats = worker.run(until_idle=until_idle)
-        finally:
-            ledger.close()
+    with configure(log_level.lower(), log_format):
+        flows = load_flows(flows_spec)
+        worker_owner = owner or default_owner()
+        target = db_url(url)
+        sqlite_path(target, must_exist=False)  # a worker may be the first to use a database
+        with Store.open(target, durability=durability) as store:
+            ledger = open_ledger(store, required=True, owner=worker_owner, lease_s=claim_lease_s)
+            try:
+                rt = Runtime(store, ledger, flows, owner=worker_owner, lease_s=lease_s)
+                worker = Worker(rt, batch=batch, poll_s=poll_s)
+                worker.install_signal_handlers()
+                stats = worker.run(until_idle=until_idle)
+            finally:
+                ledger.close()
     click.echo(
         f"worker {worker_owner} stopped: {stats.runs_driven} run(s) driven, "
         f"{stats.claim_conflicts} claim conflict(s)"

@@ -132,8 +132,45 @@ def open_store(url: str | None, **kwargs: Any) -> Iterator[Store]:
     and neither is a SQLite file: a mistyped path is refused, not made)."""
     from onceonly.checkpoint import Store  # noqa: PLC0415
 
-    with Store.open(db_url(url), create=False, **kwargs) as store:
+    target = db_url(url)
+    sqlite_path(target, must_exist=True)
+    with Store.open(target, create=False, **kwargs) as store:
         yield store
+
+
+def sqlite_path(url: str, *, must_exist: bool) -> str | None:
+    """The file of a ``sqlite:///PATH`` URL (None for other URLs), checked: its directory
+    exists, and with ``must_exist`` the file too (SQLite would create an empty one, and
+    the command would then report a missing schema instead of a mistyped path).
+
+    Raises:
+        ConfigurationError: The directory or the file is missing.
+    """
+    if not url.startswith("sqlite"):
+        return None
+    from sqlalchemy import make_url  # noqa: PLC0415
+    from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
+
+    from onceonly.checkpoint.errors import ConfigurationError  # noqa: PLC0415
+
+    try:
+        path = make_url(url).database
+    except (ArgumentError, ValueError):
+        return None  # the store reports a malformed URL
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigurationError(
+            f"no directory {folder!r} for the SQLite database {path!r} (SQLite needs no "
+            "server: check the path in the URL); nothing was written"
+        )
+    if must_exist and not os.path.exists(path):
+        raise ConfigurationError(
+            f"no SQLite database at {path!r} (a mistyped path? nothing was created); "
+            f"create one with `onceonly migrate --url {url}`"
+        )
+    return path
 
 
 @contextlib.contextmanager

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["LOG_FORMATS", "LOG_LEVELS", "JsonFormatter", "configure"]
@@ -35,16 +37,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, ensure_ascii=False, default=str)
 
 
-def configure(level: str, fmt: str) -> None:
-    """Log to stderr at ``level`` in ``fmt`` (the root logger, as ``basicConfig`` does);
-    httpx's per-request lines only at ``debug``."""
+@contextlib.contextmanager
+def configure(level: str, fmt: str) -> Iterator[None]:
+    """Log to stderr at ``level`` in ``fmt`` (on the root logger) while the block runs;
+    httpx's per-request lines only at ``debug``. The handlers found are put back after
+    (the command may run inside another program, a test)."""
     handler = logging.StreamHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     root = logging.getLogger()
+    httpx = logging.getLogger("httpx")
+    saved = (root.handlers[:], root.level, httpx.level)
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     if level != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per provider request
+        httpx.setLevel(logging.WARNING)  # not a line per provider request
+    try:
+        yield
+    finally:
+        handler.flush()
+        root.handlers[:], _, _ = saved
+        root.setLevel(saved[1])
+        httpx.setLevel(saved[2])
