@@ -404,9 +404,10 @@ HEAVY = ("onceonly.adapters", "sqlalchemy", "psycopg", "httpx", "langgraph", "ri
     [
         "import onceonly",
         "import onceonly.cli",
-        "from onceonly.cli import cli; cli.main(['--help'], standalone_mode=False)",
-        "from onceonly.cli import cli; cli.main(['runs', '--help'], standalone_mode=False)",
-        "from onceonly.cli import cli; cli.main(['effects', '--help'], standalone_mode=False)",
+        # main(), as the console script calls it
+        "from onceonly.cli import main\ntry: main(['--help'])\nexcept SystemExit: pass",
+        "from onceonly.cli import main\ntry: main(['runs', '--help'])\nexcept SystemExit: pass",
+        "from onceonly.cli import main\ntry: main(['effects', '--help'])\nexcept SystemExit: pass",
     ],
 )
 def test_import_and_help_load_no_heavy_module(code: str) -> None:

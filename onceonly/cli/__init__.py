@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -260,14 +260,10 @@ def main(args: Sequence[str] | None = None) -> None:
     Args:
         args: The arguments (default: ``sys.argv[1:]``).
     """
-    from onceonly.checkpoint import OnceOnlyError  # noqa: PLC0415  (not for --help)
-
     argv = list(sys.argv[1:] if args is None else args)
     as_json = "--json" in argv
     try:
         rv = cli.main(argv, prog_name="onceonly", standalone_mode=False)
-    except OnceOnlyError as exc:
-        _fail(type(exc).__name__, masked(str(exc), argv), 1, as_json=as_json)
     except click.ClickException as exc:
         if not as_json:
             exc.show()
@@ -277,6 +273,10 @@ def main(args: Sequence[str] | None = None) -> None:
         click.echo("Aborted!", err=True)
         sys.exit(1)
     except Exception as exc:
+        # A typed error comes from the store, which is then imported (not for --help).
+        errors = sys.modules.get("onceonly.checkpoint.errors")
+        if errors is not None and isinstance(exc, errors.OnceOnlyError):
+            _fail(type(exc).__name__, masked(str(exc), argv), 1, as_json=as_json)
         from onceonly.checkpoint import scrub  # noqa: PLC0415
 
         scrub(exc, *known_secrets(argv))
@@ -284,7 +284,7 @@ def main(args: Sequence[str] | None = None) -> None:
     sys.exit(rv if isinstance(rv, int) else 0)
 
 
-def _fail(kind: str, message: str, code: int, *, as_json: bool) -> None:
+def _fail(kind: str, message: str, code: int, *, as_json: bool) -> NoReturn:
     if as_json:
         emit_json({"error": {"type": kind, "message": message, "exit_code": code}})
     else:
