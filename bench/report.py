@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
-from . import summary, w2lg, w4
+from . import startup, summary, w2lg, w4
 from ._util import median
 from .summary import MB, Target
 from .systems import LABELS, W1_LABELS
@@ -1059,6 +1060,9 @@ def render(results: dict[str, Any], docs: Path) -> Path:
             shown = w1_label(name) if wl == "W1" else label(name)
             lines.append(f"- {wl} {shown}: failed — `{first}`")
         lines.append("")
+    startup_json = Path(__file__).resolve().parent / "results" / "startup.json"
+    if startup_json.exists():  # written by `python -m bench startup --json ...`
+        lines += startup.section(json.loads(startup_json.read_text(encoding="utf-8")))
     obs = _w1_observations(results, s1) + _observations(results, s2, s3)
     lines += [
         "## Method",

@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 PYTHON = sys.executable
 ONCEONLY = str(Path(PYTHON).parent / "onceonly")
@@ -112,11 +113,83 @@ def table(doc: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def section(doc: dict[str, Any]) -> list[str]:
+    """The start-up section of docs/performance.md, from ``bench/results/startup.json``."""
+    lines = [
+        "## Start-up: `import onceonly` and `onceonly --help`",
+        "",
+        (
+            "Targets: `import onceonly` at most 0.3 s and `onceonly --help` at most 0.5 s over a "
+            "bare interpreter on this machine. The package's names are imported on first use "
+            "(PEP 562) and the command line imports click alone until a command runs (each "
+            "command imports the store, the ledger, rich or the demo itself; psycopg only for a "
+            "PostgreSQL URL)."
+        ),
+        "",
+        (
+            f"Measured {doc.get('measured_at', '?')} ({doc.get('git', '?')}, Python "
+            f"{doc['python']}) with **`python -m bench startup --runs {doc['runs']}`**: each "
+            "command in a fresh process, the commands in turn; the excess is the median over "
+            "rounds of a command's wall time minus that of `python -c pass` started just before "
+            "it."
+        ),
+        "",
+        table(doc),
+        "",
+        (
+            "Modules that only some commands need (the adapters, SQLAlchemy, psycopg, httpx, "
+            "langgraph, rich) imported by `import onceonly`: "
+            f"{doc['heavy_imports']['import onceonly'] or 'none'}; by `onceonly --help`: "
+            f"{doc['heavy_imports']['onceonly --help'] or 'none'} (also checked by "
+            "`tests/test_cli.py`)."
+        ),
+        "",
+    ]
+    whole = doc.get("whole_process")
+    if whole:
+
+        def cell(r: dict[str, Any], when: str) -> str:
+            if f"{when}_cpu_s" not in r:
+                return "—"
+            peak = r.get(f"{when}_peak_mib")
+            return f"{r[f'{when}_cpu_s']:.3f} s / {r[f'{when}_wall_s']:.3f} s" + (
+                f" / {peak:.1f} MiB" if peak is not None else ""
+            )
+
+        lines += [
+            (
+                f"Whole-process figures, before (`main` at 5a83bb0) and after: {whole['method']}; "
+                "CPU / wall / peak memory. Wall times on this shared machine wander (other jobs "
+                "run beside it); CPU time is the steadier figure."
+            ),
+            "",
+            "| command | before: CPU / wall / peak | after: CPU / wall / peak |",
+            "| --- | ---: | ---: |",
+            *[
+                f"| `{r['command']}` | {cell(r, 'before')} | {cell(r, 'after')} |"
+                for r in whole["rows"]
+            ],
+            "",
+            (
+                "To check by hand: `python -X importtime -c 'import onceonly'` lists every module "
+                "imported and its cost; `/usr/bin/time -v .venv/bin/onceonly --help` gives one "
+                "run's CPU time and peak memory."
+            ),
+            "",
+        ]
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure, print the table; exit 1 when a target is missed or a heavy module loads."""
     p = argparse.ArgumentParser(prog="python -m bench startup", description=__doc__)
     p.add_argument("--runs", type=int, default=10, help="rounds counted (default 10)")
-    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="also write the figures here (bench/results/startup.json feeds docs/performance.md)",
+    )
     args = p.parse_args(argv)
     doc = measure(max(1, args.runs))
     print(table(doc))
