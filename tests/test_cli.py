@@ -363,8 +363,9 @@ def test_the_status_choices_are_the_stores() -> None:
 @pytest.mark.slow
 def test_errors_under_json_are_json(url: str) -> None:
     _populate(url)
-    code, out, _err = _run_in(url, "runs", "show", "no-such-run", "--json")
+    code, out, err = _run_in(url, "runs", "show", "no-such-run", "--json")
     assert code == 1
+    assert err.startswith("error:")  # a person still reads it on stderr
     doc = json.loads(out)
     assert doc["error"]["type"] == "RunNotFound"
     assert "no-such-run" in doc["error"]["message"]

@@ -3,8 +3,8 @@
 Commands: ``demo``, ``migrate``, ``worker``, ``runs list|show|edit|cancel|retry|fork``,
 ``approve``, ``reject``, ``signal``, ``effects list|show|resolve|correct``,
 ``audit verify|export`` and ``gc``. Typed errors print one line and exit with code 1;
-malformed arguments are usage errors (exit code 2). With ``--json``, an error is one
-JSON document on stdout too: ``{"error": {"type": ..., "message": ..., "exit_code": ...}}``.
+malformed arguments are usage errors (exit code 2). With ``--json``, an error is also
+one JSON document on stdout: ``{"error": {"type": ..., "message": ..., "exit_code": ...}}``.
 
 The commands are in :mod:`onceonly.cli.runs` (runs and their waits) and
 :mod:`onceonly.cli.effects` (the effects ledger and its audit trail); what they share in
@@ -251,7 +251,7 @@ def worker_cmd(
 
 def main(args: Sequence[str] | None = None) -> None:
     """Console-script entry point: typed errors become one clear line and exit code 1
-    (with ``--json``, one JSON document on stdout instead); usage errors exit with code 2.
+    (with ``--json``, also one JSON document on stdout); usage errors exit with code 2.
 
     No database password and no keyring secret is printed: messages are masked (the
     store masks them where they are made; this is the last line of defence), and so is
@@ -265,10 +265,19 @@ def main(args: Sequence[str] | None = None) -> None:
     try:
         rv = cli.main(argv, prog_name="onceonly", standalone_mode=False)
     except click.ClickException as exc:
-        if not as_json:
-            exc.show()
-            sys.exit(exc.exit_code)
-        _fail(type(exc).__name__, masked(exc.format_message(), argv), exc.exit_code, as_json=True)
+        if as_json:  # and the usual usage text on stderr
+            message = masked(exc.format_message(), argv)
+            emit_json(
+                {
+                    "error": {
+                        "type": type(exc).__name__,
+                        "message": message,
+                        "exit_code": exc.exit_code,
+                    }
+                }
+            )
+        exc.show()
+        sys.exit(exc.exit_code)
     except click.Abort:
         click.echo("Aborted!", err=True)
         sys.exit(1)
@@ -285,12 +294,13 @@ def main(args: Sequence[str] | None = None) -> None:
 
 
 def _fail(kind: str, message: str, code: int, *, as_json: bool) -> NoReturn:
+    """Report an error and exit: one line on stderr (for a person), and with ``--json``
+    the same as one JSON document on stdout (for the program reading it)."""
     if as_json:
         emit_json({"error": {"type": kind, "message": message, "exit_code": code}})
-    else:
-        from ._common import make_console, styled  # noqa: PLC0415
+    from ._common import make_console, styled  # noqa: PLC0415
 
-        # soft_wrap: one line, whatever the terminal width (scripts grep these); the
-        # message is the user's text too (a run id), never markup.
-        make_console(stderr=True).print(styled("error:", "red"), message)
+    # soft_wrap: one line, whatever the terminal width (scripts grep these); the message
+    # is the user's text too (a run id), never markup.
+    make_console(stderr=True).print(styled("error:", "red"), message)
     sys.exit(code)
