@@ -26,10 +26,12 @@ class StepDiverged(OnceOnlyError):
     """A resumed step asked for effects other than the ones its earlier attempt recorded.
 
     The code or the plan changed between the attempts (an effect renamed, reordered,
-    removed or added before the recorded ones): acting now could duplicate or orphan an
-    effect that already happened, so nothing was sent. Deploy the code that recorded
-    them and retry the run (the effects replay), or do the remaining work in a new run (a
-    fork shares its origin's keys, so it would diverge the same way).
+    removed or added before the recorded ones), or the worker's keyring has other secrets
+    than the run was started with (key ids are keyed by them): acting now could duplicate
+    or orphan an effect that already happened, so nothing was sent. Start the worker with
+    the run's secrets, or deploy the code that recorded them, and retry the run (the
+    effects replay); or do the remaining work in a new run (a fork shares its origin's
+    keys, so it would diverge the same way).
 
     Attributes:
         run_id: The run.
@@ -57,10 +59,24 @@ class StepDiverged(OnceOnlyError):
             what = f"finished without asking for {len(remaining)} recorded effect(s)"
         else:
             what = f"asked for effect {got[:16]} where the recorded one is {str(expected)[:16]}"
+        # Key ids are keyed by the keyring's secrets: a worker started with other secrets
+        # than the run's (ONCEONLY_SECRETS mistyped or rotated without the old one) asks
+        # for key ids that match none recorded, which reads exactly like changed code.
+        deploy = (
+            f"deploy the code that recorded them (`onceonly runs retry {run_id}` then replays "
+            f"them), or settle this business in a new run"
+        )
+        if got is not None:
+            fix = (
+                "Either this worker's keyring differs from the one the run was started with "
+                "(key ids are keyed by its secrets: set ONCEONLY_SECRETS as it was, or keep "
+                f"the old secret in it after a rotation), or the code changed: {deploy}"
+            )
+        else:
+            fix = f"The code changed: {deploy}"
         super().__init__(
             f"step {step_id!r} of run {run_id!r} diverged from its recorded attempt: it {what}; "
-            f"nothing was sent. Deploy the code that recorded them (`onceonly runs retry "
-            f"{run_id}` then replays them), or settle this business in a new run"
+            f"nothing was sent. {fix}"
         )
 
 

@@ -1,4 +1,4 @@
-"""onceonly's benchmarks (BENCH.md W1, W2 and W3): ``python -m bench`` runs them all.
+"""onceonly's benchmarks, W1 to W4 (targets in bench/summary.py): ``python -m bench`` runs them.
 
 Modules: ``workload`` (the shared deterministic W1 calls and W2/W3 state and steps),
 ``systems`` (onceonly, the stdlib sqlite3/pickle floors, LangGraph + SqliteSaver, DBOS),

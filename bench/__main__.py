@@ -1,7 +1,13 @@
 """``python -m bench``: run W1, W2, W3 and W4, write bench/results/latest.json and
-docs/performance.md (see ``python -m bench --help``)."""
+docs/performance.md (see ``python -m bench --help``); ``python -m bench startup``: the
+start-up cost of ``import onceonly`` and ``onceonly --help`` (bench/startup.py)."""
 
 import sys
+
+if sys.argv[1:2] == ["startup"]:
+    from .startup import main as startup
+
+    sys.exit(startup(sys.argv[2:]))
 
 from .runner import main
 

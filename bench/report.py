@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
-from . import summary, w2lg, w4
+from . import startup, summary, w2lg, w4
 from ._util import median
 from .summary import MB, Target
 from .systems import LABELS, W1_LABELS
@@ -465,8 +466,8 @@ def _w1_section(
         lines += [
             "",
             (
-                "BENCH.md defines W1-async for onceonly against its own sync path; the floor "
-                "and the peers have no async row."
+                "W1-async is defined for onceonly against its own sync path (`bench/summary.py`); "
+                "the floor and the peers have no async row."
             ),
             "",
         ]
@@ -727,7 +728,7 @@ def _targets_section(ts: Sequence[Target]) -> list[str]:
         for t in ts
     ]
     return [
-        "## Targets (from BENCH.md)",
+        "## Targets (defined in `bench/summary.py`)",
         "",
         *_table(
             ["workload", "target", "system", "measured", "range over repetitions", "status"],
@@ -935,9 +936,9 @@ def render(results: dict[str, Any], docs: Path) -> Path:
             f"{meta['duration_s'] / 60:.1f} min in all. Reproduce with **`{COMMAND_TEXT}`** "
             "(installs the `bench` extra into `.venv`, then runs `python -m bench`; "
             "`python -m bench --quick` for a shorter check, `--only w1` for one workload). "
-            "Workloads, floors, peers and "
-            "targets are defined in BENCH.md; absolute times on these shared 2-core machines "
-            "drift by ±15 %, ratios hold."
+            "Workloads, floors and peers are defined in `bench/workload.py` and the phase "
+            "modules `bench/w1.py` to `bench/w4.py`, targets in `bench/summary.py`; absolute "
+            "times on these shared 2-core machines drift by ±15 %, ratios hold."
         ),
         "",
     ]
@@ -1059,6 +1060,9 @@ def render(results: dict[str, Any], docs: Path) -> Path:
             shown = w1_label(name) if wl == "W1" else label(name)
             lines.append(f"- {wl} {shown}: failed — `{first}`")
         lines.append("")
+    startup_json = Path(__file__).resolve().parent / "results" / "startup.json"
+    if startup_json.exists():  # written by `python -m bench startup --json ...`
+        lines += startup.section(json.loads(startup_json.read_text(encoding="utf-8")))
     obs = _w1_observations(results, s1) + _observations(results, s2, s3)
     lines += [
         "## Method",

@@ -519,8 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bench",
         description="onceonly benchmarks W1 (guarded effects), W2 (incremental checkpoints), "
         "W3 (resume cost versus history length) against floors, LangGraph and DBOS, and W4 "
-        "(many workers on PostgreSQL); see "
-        "/work/shared/BENCH.md.",
+        "(many workers on PostgreSQL); targets in bench/summary.py; `python -m bench startup` "
+        "for the start-up cost.",
     )
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5; 3 quick)")
     p.add_argument(

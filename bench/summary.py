@@ -16,7 +16,7 @@ TIMES = "\N{MULTIPLICATION SIGN}"
 
 @dataclass(frozen=True)
 class Target:
-    """One target from BENCH.md, evaluated for one system."""
+    """One benchmark target, evaluated for one system."""
 
     workload: str
     text: str
@@ -236,7 +236,7 @@ def targets(
     s3: dict[str, dict[str, Any]] | None,
     s1: dict[str, dict[str, Any]] | None = None,
 ) -> list[Target]:
-    """BENCH.md's W1, W2 and W3 targets, evaluated for onceonly."""
+    """The W1, W2 and W3 targets, evaluated for onceonly."""
     out: list[Target] = []
     if s1 and "onceonly" in s1:
         r = s1["onceonly"]

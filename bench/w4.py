@@ -434,7 +434,7 @@ def summarize(w4: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 
 def targets(s4: dict[int, dict[str, Any]] | None, w4: dict[str, Any] | None) -> list[Target]:
-    """BENCH.md's W4 targets."""
+    """The W4 targets."""
     from .summary import Target
 
     if not s4 or not w4:

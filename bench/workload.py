@@ -1,4 +1,4 @@
-"""The shared, deterministic W1, W2 and W3 workloads (see /work/shared/BENCH.md).
+"""The shared, deterministic W1, W2 and W3 workloads (the targets are in bench/summary.py).
 
 W1: call ``i`` of a run of guarded effects takes ``make_arg(i)`` (a dict whose compact
 JSON is 200 bytes) and returns ``make_result(arg)`` (a 200-byte dict derived from the

@@ -480,8 +480,16 @@ class Waits:
         return self.store.transact(txn)
 
     # -- workers -----------------------------------------------------------------------
-    def claim_ready(self, owner: str, ttl_s: float, *, limit: int = 1) -> list[str]:
-        """Lease up to ``limit`` ready runs to ``owner`` for ``ttl_s`` seconds.
+    def claim_ready(
+        self,
+        owner: str,
+        ttl_s: float,
+        *,
+        limit: int = 1,
+        flows: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Lease up to ``limit`` ready runs to ``owner`` for ``ttl_s`` seconds (with
+        ``flows``, only runs of those flows: a worker never leases a run it cannot drive).
 
         Ready: ``running`` with no live lease (new, woken, or left by a crashed worker),
         or ``waiting`` with a due timer or an expired approval. A lease held by ``owner``
@@ -501,12 +509,16 @@ class Waits:
         # A lease is free when nobody holds it, it lapsed, or it is our own: a restarted
         # worker with a stable owner name takes its dead predecessor's runs back at once.
         free = f"(r.lease_owner IS NULL OR r.lease_expires_at < {q} OR r.lease_owner = {q})"
+        names = sorted(set(flows)) if flows is not None else None
+        if names == []:
+            return []
+        only = "" if names is None else f"r.flow IN ({', '.join([q] * len(names))}) AND "
         pick = (
-            f"SELECT r.run_id FROM oo_runs r WHERE "
+            f"SELECT r.run_id FROM oo_runs r WHERE {only}("
             f"(r.status = 'running' AND {free}) "
             f"OR (r.status = 'waiting' AND {free} "
             f"AND EXISTS (SELECT 1 FROM oo_waits w WHERE w.run_id = r.run_id "
-            f"AND w.status = 'open' AND w.due_at IS NOT NULL AND w.due_at <= {q})) "
+            f"AND w.status = 'open' AND w.due_at IS NOT NULL AND w.due_at <= {q}))) "
             # Runs it holds already come last: a worker holding ``limit`` runs (skipped,
             # or being driven) must still see the others.
             f"ORDER BY CASE WHEN r.lease_owner = {q} THEN 1 ELSE 0 END, r.updated_at, "
@@ -515,7 +527,7 @@ class Waits:
 
         def txn(cur: Any) -> list[str]:
             now = self.clock()  # in the transaction: a retried round sees the time it runs
-            cur.execute(pick, (now, owner, now, owner, now, owner))
+            cur.execute(pick, (*(names or ()), now, owner, now, owner, now, owner))
             ids = [str(r[0]) for r in cur.fetchall()]
             for rid in ids:
                 cur.execute(

@@ -5,15 +5,25 @@ A :class:`Flow` is a set of named steps; a :class:`Runtime` starts and drives it
 :class:`Worker` claims ready runs in as many processes as share the database; an
 :class:`Operator` approves, signals, edits, cancels, retries, forks and cleans up. The
 ``onceonly`` command line (:mod:`onceonly.cli`) wraps them; ``onceonly demo`` runs the
-vendor-onboarding example (:mod:`onceonly.demo_flow`).
+vendor-onboarding example (:mod:`onceonly.demo`).
+
+The names are imported on first use (PEP 562): ``import onceonly`` (and the
+``onceonly.checkpoint`` / ``onceonly.ledger`` / ``onceonly.adapters`` packages it holds,
+which import it first) stays cheap, and the command line starts fast.
 """
 
-from .context import BranchContext, StepContext
-from .errors import ApprovalMismatch, FlowNotRegistered, RunError, RunNotResumable
-from .flow import End, Fail, Flow, Next, WaitFor
-from .operator import GcReport, Operator, RunView
-from .runtime import Runtime, default_owner
-from .worker import Worker, WorkerStats
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what editors and mypy see; at run time, __getattr__ below
+    from .context import BranchContext, StepContext
+    from .errors import ApprovalMismatch, FlowNotRegistered, RunError, RunNotResumable
+    from .flow import End, Fail, Flow, Next, WaitFor
+    from .operator import GcReport, Operator, RunView
+    from .runtime import Runtime, default_owner
+    from .worker import Worker, WorkerStats
 
 __all__ = [
     "ApprovalMismatch",
@@ -35,3 +45,38 @@ __all__ = [
     "WorkerStats",
     "default_owner",
 ]
+
+# Each public name and the module that defines it.
+_WHERE = {
+    "ApprovalMismatch": "errors",
+    "BranchContext": "context",
+    "End": "flow",
+    "Fail": "flow",
+    "Flow": "flow",
+    "FlowNotRegistered": "errors",
+    "GcReport": "operator",
+    "Next": "flow",
+    "Operator": "operator",
+    "RunError": "errors",
+    "RunNotResumable": "errors",
+    "RunView": "operator",
+    "Runtime": "runtime",
+    "StepContext": "context",
+    "WaitFor": "flow",
+    "Worker": "worker",
+    "WorkerStats": "worker",
+    "default_owner": "runtime",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -114,17 +114,34 @@ class Operator:
     def approve(
         self, run_id: str, name: str, *, actor: str, subject_hash: str, reason: str = ""
     ) -> Wait:
-        """Approve exactly what was requested (``subject_hash`` from :meth:`show`)."""
+        """Approve exactly what was requested (``subject_hash`` from :meth:`show`).
+
+        Raises:
+            RunNotFound: No such run (not reported as a missing approval).
+            WaitNotFound: The run has no approval of that name.
+        """
+        self.store.get_run(run_id)
         return self.waits.approve(
             run_id, name, actor=actor, subject_hash=subject_hash, reason=reason
         )
 
     def reject(self, run_id: str, name: str, *, actor: str, reason: str = "") -> Wait:
-        """Reject an approval request."""
+        """Reject an approval request.
+
+        Raises:
+            RunNotFound: No such run (not reported as a missing approval).
+            WaitNotFound: The run has no approval of that name.
+        """
+        self.store.get_run(run_id)
         return self.waits.reject(run_id, name, actor=actor, reason=reason)
 
     def signal(self, run_id: str, name: str, payload: Any = None, *, actor: str = "") -> Wait:
-        """Deliver a signal to a run (kept if it does not wait for it yet)."""
+        """Deliver a signal to a run (kept if it does not wait for it yet).
+
+        Raises:
+            RunNotFound: No such run.
+        """
+        self.store.get_run(run_id)
         return self.waits.signal(run_id, name, payload, actor=actor)
 
     # -- effects -----------------------------------------------------------------------

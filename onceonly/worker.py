@@ -25,16 +25,25 @@ recorded effects replay and the unrecorded one is reconciled. Any other database
 disk I/O error, a full disk) stops the worker (fail closed); the next start recovers from
 disk.
 
-A run this worker cannot run (its flow, step or state version is unknown to this code, or
-a record of it fails its integrity check) is logged and skipped: it is leased to
-``<owner>:skipped`` until that lease lapses, so the worker goes on with other runs and a
-worker with other code may take it later.
+A worker claims only runs of the flows it was given: a run of another flow is left to a
+worker that has it (never leased, not even briefly). A run this worker still cannot run
+(its step or state version is unknown to this code, or a record of it fails its
+integrity check) is logged and skipped: it is leased to ``<owner>:skipped`` until that
+lease lapses, so the worker goes on with other runs and a worker with other code may take
+it later.
+
+Logs go to the ``onceonly.worker`` logger; each record carries structured fields as
+attributes (``event``, and ``run_id``, ``status``, ``next_step``, ``command`` where they
+apply) for a formatter to emit (``onceonly worker --log-format json``). A run parked for
+a person (an approval to give, an effect in doubt to resolve) is logged at WARNING with
+the exact command that settles it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import shlex
 import signal
 import threading
 from collections.abc import Iterator
@@ -46,8 +55,10 @@ from onceonly.checkpoint import (
     CorruptRecord,
     LeaseHeld,
     OnceOnlyError,
+    RunStatus,
     Store,
     StoreError,
+    WaitKind,
     interrupt_retries,
     is_transient,
     redact,
@@ -55,7 +66,7 @@ from onceonly.checkpoint import (
 from onceonly.checkpoint.waits import NOTIFY_CHANNEL
 from onceonly.ledger import LedgerUnavailable
 
-from .runtime import Runtime
+from .runtime import META, Runtime
 
 __all__ = ["Worker", "WorkerStats"]
 
@@ -134,11 +145,13 @@ class Worker:
         """
         rt = self.runtime
         log.info(
-            "worker %s: claiming runs (lease %.1f s, poll %.1f s, batch %d)",
+            "worker %s: claiming runs of %s (lease %.1f s, poll %.1f s, batch %d)",
             rt.owner,
+            ", ".join(sorted(rt.flows)) or "no flow",
             rt.lease_s,
             self.poll_s,
             self.batch,
+            extra={"event": "worker_started", "owner": rt.owner, "flows": sorted(rt.flows)},
         )
         with contextlib.closing(_Listener(rt.store, self._stop)) as listener:
             while not self.stopping:
@@ -151,7 +164,9 @@ class Worker:
                             rt.ledger.recover()
                             self._recover = False
                             log.info("the database answers again: carrying on from disk")
-                        ids = rt.waits.claim_ready(rt.owner, rt.lease_s, limit=self.batch)
+                        ids = rt.waits.claim_ready(
+                            rt.owner, rt.lease_s, limit=self.batch, flows=list(rt.flows)
+                        )
                 except OnceOnlyError as exc:
                     if not is_transient(exc):
                         raise  # fail closed: the worker stops
@@ -198,7 +213,14 @@ class Worker:
             # other runs go on, and a worker with other code may take it later.
             self.stats.runs_skipped += 1
             parked = f"{rt.owner}:skipped"
-            log.error("run %s skipped for %.0f s (lease %s): %s", run_id, rt.lease_s, parked, exc)
+            log.error(
+                "run %s skipped for %.0f s (lease %s): %s",
+                run_id,
+                rt.lease_s,
+                parked,
+                exc,
+                extra={"event": "run_skipped", "run_id": run_id, "error": type(exc).__name__},
+            )
             # Our own lease counts as free to us: give it up, then park the run under
             # the other name (a run that fails its seal still gets its lease row set).
             with contextlib.suppress(LeaseHeld, CorruptRecord):
@@ -206,7 +228,20 @@ class Worker:
                 rt.store.acquire_lease(run_id, parked, rt.lease_s)
             return
         self.stats.runs_driven += 1
-        log.info("run %s: %s (next %s)", run_id, run.status.value, run.next_step)
+        log.info(
+            "run %s: %s (next %s)",
+            run_id,
+            run.status.value,
+            run.next_step,
+            extra={
+                "event": "run_driven",
+                "run_id": run_id,
+                "status": run.status.value,
+                "next_step": run.next_step,
+            },
+        )
+        if run.status is RunStatus.WAITING:
+            _log_parked(rt, run_id)
 
     def _outage(self, what: str, exc: BaseException) -> None:
         """A transient database failure: log it, have the ledger start again from disk
@@ -364,6 +399,51 @@ class _Listener:
             if not isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
                 raise
             self._failed(exc)
+
+
+def _settle_commands(rt: Runtime, run_id: str) -> list[str]:
+    """The commands that settle what a waiting run waits on from a person: ``onceonly
+    approve`` for an open approval (with its subject hash), ``onceonly effects resolve``
+    for an effect in doubt (its whole key id). Empty for timers and other signals."""
+    out: list[str] = []
+    for wait in rt.waits.find(run_id=run_id, status="open"):
+        if wait.kind is WaitKind.APPROVAL:
+            out.append(
+                shlex.join(
+                    ["onceonly", "approve", run_id, wait.name, "--hash", str(wait.subject_hash)]
+                )
+            )
+        elif wait.kind is WaitKind.SIGNAL and wait.name.startswith("effect:"):
+            key_id = _in_doubt_key(rt, run_id) or wait.name.split(":")[1]
+            out.append(
+                shlex.join(["onceonly", "effects", "resolve", key_id])
+                + " --happened|--not-happened --evidence 'WHAT YOU CHECKED'"
+            )
+    return out
+
+
+def _in_doubt_key(rt: Runtime, run_id: str) -> str | None:
+    try:
+        state = rt.store.load(run_id).state
+    except OnceOnlyError:
+        return None
+    waiting = (state.get(META) or {}).get("waiting") or {}
+    return str(waiting["effect"]) if waiting.get("effect") else None
+
+
+def _log_parked(rt: Runtime, run_id: str) -> None:
+    """Say what a person must do for a run that waits on one, as the command to run."""
+    try:
+        commands = _settle_commands(rt, run_id)
+    except OnceOnlyError:  # the log line is a courtesy; the run is parked either way
+        return
+    for command in commands:
+        log.warning(
+            "run %s waits for a person: %s",
+            run_id,
+            command,
+            extra={"event": "run_parked", "run_id": run_id, "command": command},
+        )
 
 
 def _log_resume(rt: Runtime, run_id: str) -> None:

@@ -230,3 +230,206 @@ def test_the_demo_resumes_not_restarts(tmp_path: Path, crash_at: str) -> None:
         assert store.load(run.run_id).state["result"]["vendor_id"] == "V-000001"
     again = _run("demo", "--db", str(db))
     assert again.returncode == 2  # the demo wants a fresh database; nothing is touched
+
+
+# -- a CLI that reads well --------------------------------------------------------------------
+
+
+def _run_in(url: str, *args: str, tty: bool = False, columns: int = 80) -> tuple[int, str, str]:
+    """The console script with stdout a pipe, or (``tty``) a terminal ``columns`` wide."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.pop("ONCEONLY_DATABASE_URL", None)
+    env.pop("ONCEONLY_SECRETS", None)
+    if not tty:
+        proc = subprocess.run(
+            [str(ONCEONLY), *args, "--url", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env=env,
+        )
+        return proc.returncode, proc.stdout, proc.stderr
+    import pty
+
+    env.update(COLUMNS=str(columns), LINES="50", TERM="xterm")
+    leader, follower = pty.openpty()
+    proc2 = subprocess.Popen(
+        [str(ONCEONLY), *args, "--url", url],
+        stdout=follower,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    os.close(follower)
+    chunks: list[bytes] = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: the command exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc2.stderr is not None
+    with proc2.stderr:
+        err = proc2.stderr.read().decode()
+    code = proc2.wait(timeout=120)
+    out = b"".join(chunks).decode().replace("\r\n", "\n")
+    return code, out, err
+
+
+def _strip_ansi(text: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+
+
+MARKUP_IDS = ["po[/x]", "po[bold]9", "[red]x[/red]"]
+
+
+def _markup_runs(url: str) -> None:
+    with Store.open(url) as store:
+        for rid in MARKUP_IDS:
+            store.create_run("f[/b]", run_id=rid, next_step="s[i]")
+            store.save(rid, {"note": "[bold]hi"}, step="s[i]", next_step="s[i]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tty", [False, True], ids=["piped", "terminal"])
+def test_user_text_is_never_read_as_markup(url: str, tty: bool) -> None:
+    _markup_runs(url)
+    code, out, err = _run_in(url, "runs", "list", tty=tty)
+    assert code == 0, out + err
+    out = _strip_ansi(out)
+    for rid in MARKUP_IDS:
+        assert rid in out
+    assert "f[/b]" in out
+    for rid in MARKUP_IDS:
+        code, out, err = _run_in(url, "runs", "show", rid, tty=tty)
+        assert code == 0, out + err
+        assert f"run {rid}" in _strip_ansi(out) if tty else json.loads(out)["run_id"] == rid
+    code, out, err = _run_in(url, "runs", "show", "po[/x]", "--tables")
+    assert code == 0, out + err
+    assert "run po[/x]" in out
+    code, out, err = _run_in(url, "runs", "show", "no[/such]run")
+    assert code == 1
+    assert "no[/such]run" in err
+
+
+def test_a_piped_list_is_one_plain_line_a_run(url: str) -> None:
+    long_id = "run-" + "0123456789abcdef" * 4  # wider than a shared 80-column row
+    with Store.open(url) as store:
+        store.create_run("a-flow-with-a-long-name", run_id=long_id, next_step="step-one")
+        store.create_run("short", run_id="r2")
+    env = {"COLUMNS": "80"}
+    out = CliRunner().invoke(cli, ["runs", "list", "--url", url], env=env).stdout
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "run", "id", "flow", "status", "next", "step", "waiting", "on", "lease", "ckpts", "updated"
+    ]  # fmt: skip
+    assert len(lines) == 3  # a heading and a line a run: nothing wrapped
+    assert lines[2].split()[:3] == [long_id, "a-flow-with-a-long-name", "running"]
+    assert not set(out) & set("┏━┃│┡└─")  # no borders
+
+
+@pytest.mark.slow
+def test_a_terminal_table_at_80_columns_keeps_ids_whole(url: str) -> None:
+    ids = [uuid_hex(i) for i in range(3)]
+    with Store.open(url) as store:
+        for rid in ids:
+            store.create_run("vendor-onboarding", run_id=rid, next_step="collect_documents")
+    code, out, err = _run_in(url, "runs", "list", tty=True, columns=80)
+    assert code == 0, err
+    text = _strip_ansi(out)
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    for rid in ids:
+        assert rid in text  # on one line, to copy
+
+
+def uuid_hex(i: int) -> str:
+    return f"{i:032x}"
+
+
+def test_the_status_choices_are_the_stores() -> None:
+    from onceonly.cli.effects import EFFECT_STATUSES
+    from onceonly.cli.runs import RUN_STATUSES
+    from onceonly.ledger import EffectStatus
+
+    assert tuple(s.value for s in RunStatus) == RUN_STATUSES
+    assert tuple(s.value for s in EffectStatus) == EFFECT_STATUSES
+
+
+@pytest.mark.slow
+def test_errors_under_json_are_json(url: str) -> None:
+    _populate(url)
+    code, out, err = _run_in(url, "runs", "show", "no-such-run", "--json")
+    assert code == 1
+    assert err.startswith("error:")  # a person still reads it on stderr
+    doc = json.loads(out)
+    assert doc["error"]["type"] == "RunNotFound"
+    assert "no-such-run" in doc["error"]["message"]
+    assert doc["error"]["exit_code"] == 1
+    code, out, _err = _run_in(url, "runs", "list", "--status", "nope", "--json")
+    assert code == 2
+    assert json.loads(out)["error"]["exit_code"] == 2
+
+
+@pytest.mark.slow
+def test_a_missing_sqlite_directory_is_named(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'no-such-dir' / 'x.db'}"
+    for args in (["runs", "list"], ["migrate"]):
+        code, _out, err = _run_in(url, *args)
+        assert code == 1
+        assert "no directory" in err
+        assert str(tmp_path / "no-such-dir") in err
+        assert "server" not in err.replace("needs no server", "")
+
+
+def test_runs_list_on_a_mistyped_sqlite_path_creates_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "typo.db"
+    result = CliRunner().invoke(cli, ["runs", "list", "--url", f"sqlite:///{path}"])
+    assert result.exit_code == 1
+    assert "no SQLite database at" in str(result.exception)
+    assert not path.exists()
+
+
+# -- a fast start -----------------------------------------------------------------------------
+
+HEAVY = ("onceonly.adapters", "sqlalchemy", "psycopg", "httpx", "langgraph", "rich")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import onceonly",
+        "import onceonly.cli",
+        # main(), as the console script calls it
+        "from onceonly.cli import main\ntry: main(['--help'])\nexcept SystemExit: pass",
+        "from onceonly.cli import main\ntry: main(['runs', '--help'])\nexcept SystemExit: pass",
+        "from onceonly.cli import main\ntry: main(['effects', '--help'])\nexcept SystemExit: pass",
+    ],
+)
+def test_import_and_help_load_no_heavy_module(code: str) -> None:
+    heavy = f"[m for m in sys.modules if m in {HEAVY!r} or m.split('.')[0] in {HEAVY!r}]"
+    probe = f"import sys\n{code}\nprint({heavy})"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
+def test_the_public_names_load_on_first_use() -> None:
+    probe = (
+        "import sys, onceonly\n"
+        "assert 'onceonly.runtime' not in sys.modules\n"
+        "from onceonly import Flow, Worker\n"
+        "assert Worker.__module__ == 'onceonly.worker' and Flow.__module__ == 'onceonly.flow'\n"
+        "assert set(onceonly.__all__) <= set(dir(onceonly))\n"
+        "try:\n    onceonly.NoSuchName\nexcept AttributeError:\n    print('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.stdout.strip() == "ok", proc.stderr

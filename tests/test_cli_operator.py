@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -23,11 +24,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from onceonly._cli_common import format_duration, parse_duration
-from onceonly.adapters import guard
+from onceonly.adapters import StepDiverged, guard, step
 from onceonly.checkpoint import (
     CodecError,
     ConfigurationError,
+    RunNotFound,
     RunStatus,
     Store,
     WaitNotFound,
@@ -35,6 +36,7 @@ from onceonly.checkpoint import (
     subject_hash,
 )
 from onceonly.cli import cli
+from onceonly.cli._common import format_duration, parse_duration
 from onceonly.context import StepContext
 from onceonly.errors import RunNotResumable
 from onceonly.flow import Flow, Transition
@@ -44,10 +46,12 @@ from onceonly.ledger import (
     EffectInDoubt,
     EffectStatus,
     InvalidTransition,
+    Keyring,
     LeaseLost,
+    Ledger,
 )
 from onceonly.runtime import Runtime
-from tests.ledger_support import K1, Clock, Ledgers
+from tests.ledger_support import K1, K2, Clock, Ledgers
 from tests.operator_flows import FLOWS, deliveries
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -998,3 +1002,109 @@ def test_the_console_script_resolves_a_parked_run(env: Env) -> None:
     assert (shown["status"], shown["waiting"]["name"]) == ("waiting", "ack")
     assert shown["state"]["receipt"] == {"id": 1, "to": "ann@x"}
     assert len(env.sent()) == 1
+
+
+# -- messages, key-id prefixes, the worker's log ----------------------------------------------
+
+
+def test_approving_or_rejecting_a_missing_run_says_the_run_is_missing(env: Env) -> None:
+    env.publish("r1")
+    for args in (
+        ("approve", "no-such-run", "send", "--hash", OTHER_HASH, "--as", "bob"),
+        ("reject", "no-such-run", "send", "--reason", "no", "--as", "bob"),
+    ):
+        res = env.cli(*args, ok=False)
+        assert isinstance(res.exception, RunNotFound), res.exception
+        assert "no-such-run" in str(res.exception)
+
+
+def test_the_start_of_a_key_id_the_list_shows_is_accepted(env: Env) -> None:
+    rid, key = _park(env, "lose")
+    listed = env.cli("effects", "list")  # piped: the plain layout
+    (line,) = [ln for ln in listed.stdout.splitlines() if rid in ln]
+    short = line.split()[0]
+    assert len(short) < len(key)
+    assert key.startswith(short)
+    assert env.json("effects", "show", short)["effect"]["key_id"] == key
+    doc = env.json(
+        "effects", "resolve", short, "--happened", "--evidence", "in the outbox", "--as", "ivy"
+    )
+    assert doc["key_id"] == key
+    assert env.store.get_run(rid).status is RunStatus.RUNNING  # woken, as with the whole id
+
+
+def _worker_log(result: Result) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+
+
+WORKER = ("worker", "--until-idle", "--poll-s", "0.1", "--log-format", "json")
+
+
+def test_the_worker_logs_a_parked_run_with_the_command_that_settles_it(env: Env) -> None:
+    rid = env.runtime.start(
+        "publish", {"to": "ann@x", "outbox": str(env.outbox)}, run_id="r1", started_by="alice"
+    )
+    res = env.cli(*WORKER, "--flows", "tests.operator_flows:FLOWS")
+    parked = [e for e in _worker_log(res) if e.get("event") == "run_parked"]
+    assert [(e["level"], e["run_id"]) for e in parked] == [("warning", rid)]
+    command = parked[0]["command"]
+    assert command == f"onceonly approve {rid} send --hash {env.hash_of(rid)}"
+    env.cli(*shlex.split(command)[1:], "--as", "bob")  # the command, as logged, works
+    assert env.store.get_run(rid).status is RunStatus.RUNNING
+
+
+def test_the_worker_logs_an_effect_in_doubt_with_the_resolve_command(env: Env) -> None:
+    rid = env.publish("r1")
+    Path(f"{env.outbox}.lose").touch()
+    env.approve(rid)
+    res = env.cli(*WORKER, "--flows", "tests.operator_flows:FLOWS")
+    (parked,) = [e for e in _worker_log(res) if e.get("event") == "run_parked"]
+    key = env.json("runs", "show", rid)["waiting"]["effect"]
+    assert parked["command"].startswith(f"onceonly effects resolve {key} --happened")
+
+
+def test_worker_log_level_and_json_lines(env: Env) -> None:
+    env.runtime.start("lease", {}, run_id="lease-1")
+    res = env.cli(*WORKER, "--flows", "tests.operator_flows:FLOWS", "--log-level", "warning")
+    assert _worker_log(res) == []  # the info lines are below the level
+    env.runtime.start("lease", {}, run_id="lease-2")
+    res = env.cli(*WORKER, "--flows", "tests.operator_flows:FLOWS")
+    events = _worker_log(res)
+    assert {"ts", "level", "logger", "message"} <= set(events[0])
+    driven = [e for e in events if e.get("event") == "run_driven"]
+    assert [(e["run_id"], e["status"]) for e in driven] == [("lease-2", "completed")]
+
+
+def test_a_worker_with_other_flows_leaves_runs_unleased(env: Env) -> None:
+    rid = env.runtime.start("lease", {}, run_id="lease-1")
+    res = env.cli(*WORKER, "--flows", "tests.worker_flows:FLOWS")
+    assert "0 run(s) driven" in res.stdout
+    run = env.store.get_run(rid)
+    assert (run.status, run.lease_owner) == (RunStatus.RUNNING, None)  # free for the right one
+    env.cli(*WORKER, "--flows", "tests.operator_flows:FLOWS")
+    assert env.store.get_run(rid).status is RunStatus.COMPLETED
+
+
+def test_a_step_resumed_under_another_secret_says_so(store: Store, ledgers: Ledgers) -> None:
+    sent: list[str] = []
+
+    def note_on(ledger: Ledger) -> Any:
+        @guard(ledger, effect="note@1")
+        def note(to: str) -> dict[str, str]:
+            sent.append(to)
+            return {"to": to}
+
+        return note
+
+    first = ledgers.on(store, owner="w1")
+    with step("run-1", "notify"):
+        note_on(first)("a@x")
+    recorded = [e["key_id"] for e in first.audit_events("run-1") if e["event"] == "claimed"]
+    # The same code, resumed by a worker started with another secret.
+    other = ledgers.fresh(owner="w2", keyring=Keyring([K2]))
+    with pytest.raises(StepDiverged) as caught, step("run-1", "notify", recorded=recorded):
+        note_on(other)("a@x")
+    assert sent == ["a@x"]  # nothing sent again
+    message = str(caught.value)
+    assert "keyring differs from the one the run was started with" in message
+    assert "ONCEONLY_SECRETS" in message

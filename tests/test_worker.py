@@ -475,9 +475,11 @@ def test_a_worker_that_loses_its_lease_claims_nothing_more(
     assert labels(provider.log, rid) == ["a"]  # "b" was refused: the thief runs the step
 
 
-def test_a_run_of_an_unknown_flow_is_skipped_not_claimed_again_and_again(
+def test_a_run_of_an_unknown_flow_is_never_claimed(
     any_url: str, provider: CountingProvider
 ) -> None:
+    # A worker with other flows (a wrong --flows) leaves the run unleased for a worker
+    # that has its flow: it used to lease it for lease_s under "<owner>:skipped".
     with runtime_on(any_url) as starter:
         foreign = starter.start("timer", {"url": provider.url, "nap_s": 0.0})
         mine = starter.start("batch", {"url": provider.url, "effects": 1, "per_step": 1})
@@ -488,11 +490,14 @@ def test_a_run_of_an_unknown_flow_is_skipped_not_claimed_again_and_again(
         t.start()
         t.join(20)
         assert not t.is_alive(), "the worker kept claiming the run it cannot run"
-        assert (worker.stats.runs_driven, worker.stats.runs_skipped) == (1, 1)
+        assert (worker.stats.runs_driven, worker.stats.runs_skipped) == (1, 0)
         assert rt.store.get_run(mine).status is RunStatus.COMPLETED
         held = rt.store.get_run(foreign)
-        assert (held.status, held.lease_owner) == (RunStatus.RUNNING, "solo:skipped")
-    assert_once(provider.log, {mine: {"e0"}})
+        assert (held.status, held.lease_owner) == (RunStatus.RUNNING, None)
+    with runtime_on(any_url, owner="all") as rt:  # a worker with the flow takes it at once
+        assert Worker(rt, poll_s=0.1).run(until_idle=True).runs_driven == 1
+        assert rt.store.get_run(foreign).status is RunStatus.COMPLETED
+    assert_once(provider.log, {mine: {"e0"}, foreign: {"woke"}})
 
 
 def test_stop_releases_the_runs_claimed_but_not_yet_driven(

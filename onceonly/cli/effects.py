@@ -5,24 +5,75 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
-from onceonly.ledger import UNKNOWN_RESULT, EffectRecord, EffectStatus
-
-from ._cli_common import (
+from ._common import (
     AS_HELP,
     JSON,
     URL_HELP,
     emit_json,
     identity,
     ledger_on,
+    make_console,
     operator,
+    print_table,
     progress,
     record_json,
+    styled,
 )
+
+if TYPE_CHECKING:
+    from onceonly.ledger import EffectRecord, Ledger
+
+# EffectStatus's values, spelled out so that `--help` does not import the ledger (a test
+# keeps them equal).
+EFFECT_STATUSES = ("claimed", "committed", "failed", "unknown", "not_happened", "needs_human")
+# How many characters of a key id the tables show; any unique start is accepted.
+SHORT_KEY = 16
+
+
+class _Unset:
+    """``--result`` left out (JSON ``null`` is a result)."""
+
+    def __repr__(self) -> str:
+        return "<unknown>"
+
+
+UNSET: Any = _Unset()
+
+
+def full_key_id(ledger: Ledger, key_id: str) -> str:
+    """The key id ``key_id`` starts (the start the tables show is enough), or ``key_id``.
+
+    Raises:
+        ConfigurationError: More than one entry's key id starts so.
+    """
+    from onceonly.checkpoint.errors import ConfigurationError  # noqa: PLC0415
+
+    text = key_id.strip().lower()
+    if len(text) >= 64 or not text or any(c not in "0123456789abcdef" for c in text):
+        return key_id
+    store = ledger.store
+    p = store.param
+
+    def q(cur: Any) -> list[str]:
+        cur.execute(
+            f"SELECT key_id FROM oo_effects WHERE key_id >= {p} AND key_id < {p} "
+            "ORDER BY key_id LIMIT 2",
+            (text, text + "g"),  # every hex digit sorts before "g"
+        )
+        return [str(r[0]) for r in cur.fetchall()]
+
+    found = store.read(q)
+    if len(found) > 1:
+        raise ConfigurationError(
+            f"key id {key_id!r} is the start of more than one effect's key id "
+            f"({found[0]}, {found[1]}, ...); give more of it"
+        )
+    return found[0] if found else key_id
+
 
 __all__ = ["audit", "effects"]
 
@@ -37,7 +88,7 @@ def effects() -> None:
 @click.option("--run", "run_id", default=None, help="Only this run's effects.")
 @click.option(
     "--status",
-    type=click.Choice([s.value for s in EffectStatus]),
+    type=click.Choice(EFFECT_STATUSES),
     default=None,
     help="Only effects with this status.",
 )
@@ -64,32 +115,36 @@ def effects_list(
     if as_json:
         click.echo(json.dumps([record_json(r) for r in rows]))
         return
-    table = Table(title="effects")
-    # The start of the key id (as in the docs); --json has the whole one.
-    table.add_column("key id", no_wrap=True, overflow="ellipsis", max_width=17)
-    for col in ("effect", "run", "status", "class", "epoch", "attempts", "check"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        table.add_row(
-            r.key_id,
-            r.effect,
-            r.run_id or "-",
-            r.status.value,
-            r.provider_class.value,
-            str(r.epoch),
-            str(r.attempts),
-            _mark(r.integrity),
-        )
-    Console().print(table)
+    print_table(
+        "effects",
+        ("key id", "effect", "run", "status", "class", "epoch", "attempts", "check"),
+        [
+            [
+                # The start of the key id (any unique start is accepted where a key id is
+                # asked for); --json has the whole one.
+                r.key_id[:SHORT_KEY],
+                r.effect,
+                r.run_id or "-",
+                r.status.value,
+                r.provider_class.value,
+                str(r.epoch),
+                str(r.attempts),
+                _mark(r.integrity),
+            ]
+            for r in rows
+        ],
+        fold=("effect", "run"),
+        right=("epoch", "attempts"),
+    )
     if rows and rows[0].integrity == "unverified":
-        Console(stderr=True).print(UNVERIFIED)
+        make_console(stderr=True).print(UNVERIFIED)
 
 
 UNVERIFIED = "seals not checked: set ONCEONLY_SECRETS to check every row against its seal"
 
 
 def _mark(integrity: str) -> str:
-    return {"ok": "ok", "unverified": "-"}.get(integrity, f"[red]{integrity.upper()}[/red]")
+    return {"ok": "ok", "unverified": "-"}.get(integrity, integrity.upper())
 
 
 @effects.command("show")
@@ -98,8 +153,11 @@ def _mark(integrity: str) -> str:
 @click.option("--payload", is_flag=True, help="Decrypt arguments/result (needs ONCEONLY_SECRETS).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def effects_show(key_id: str, url: str | None, payload: bool, as_json: bool) -> None:
-    """Show one effect, its audit events and (with --payload) its decrypted payload."""
+    """Show one effect, its audit events and (with --payload) its decrypted payload.
+
+    KEY_ID may be the start of the key id that `onceonly effects list` shows."""
     with ledger_on(url, secrets=payload) as ledger:
+        key_id = full_key_id(ledger, key_id)
         rec = ledger.get(key_id)
         events = [
             {k: (v.hex() if isinstance(v, bytes | memoryview) else v) for k, v in e.items()}
@@ -119,18 +177,19 @@ def effects_show(key_id: str, url: str | None, payload: bool, as_json: bool) -> 
     if as_json:
         click.echo(json.dumps(doc, default=str))
     else:
-        con = Console(soft_wrap=True)
+        con = make_console()
         con.print_json(json.dumps(doc, default=str))
         for e in late:
-            con.print(f"[yellow]late outcome[/yellow] from {e['actor']}: {e['detail']}")
+            con.print(styled("late outcome", "yellow"), f"from {e['actor']}: {e['detail']}")
         if bad:
             con.print(
-                f"[red]NOT TRUSTED[/red]: this entry is {rec.integrity} (it does not verify "
-                f"against its seal or its audit trail); it is not acted on. Run `onceonly "
-                f"audit verify`"
+                styled("NOT TRUSTED", "red"),
+                f"this entry is {rec.integrity} (it does not verify against its seal or its "
+                "audit trail); it is not acted on. Run `onceonly audit verify`",
+                sep=": ",
             )
         elif rec.integrity == "unverified":
-            Console(stderr=True).print(UNVERIFIED)
+            make_console(stderr=True).print(UNVERIFIED)
     if bad:
         sys.exit(1)
 
@@ -148,7 +207,8 @@ def _chain(rec: EffectRecord) -> str:
 @click.option(
     "--result",
     type=JSON,
-    default=UNKNOWN_RESULT,
+    default=UNSET,
+    show_default=False,
     help="The provider's result (JSON), replayed to the step. Left out: the result is unknown.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -167,13 +227,18 @@ def effects_resolve(
 
     --happened without --result records that the result is unknown: the step then gets
     ResultUnknown (after asking the adapter's lookup for it, where there is one) until
-    `onceonly effects correct KEY --result JSON` records it."""
+    `onceonly effects correct KEY --result JSON` records it. KEY_ID may be the start of
+    the key id that `onceonly effects list` shows."""
+    from onceonly.ledger import UNKNOWN_RESULT  # noqa: PLC0415
+
     if happened is None:
         raise click.UsageError("say --happened or --not-happened")
-    if not happened and result is not UNKNOWN_RESULT:
+    if not happened and result is not UNSET:
         raise click.UsageError("--result goes with --happened (nothing happened, no result)")
+    result = UNKNOWN_RESULT if result is UNSET else result
     who = identity(actor)
     with operator(url) as op:
+        key_id = full_key_id(op.ledger, key_id)
         rec = op.resolve(key_id, happened=happened, evidence=evidence, actor=who, result=result)
     _decided(rec, who, "resolved", happened, result, as_json)
 
@@ -191,7 +256,8 @@ def effects_resolve(
 @click.option(
     "--result",
     type=JSON,
-    default=UNKNOWN_RESULT,
+    default=UNSET,
+    show_default=False,
     help="The provider's result (JSON). Left out: the result is unknown.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -209,11 +275,16 @@ def effects_correct(
 
     Only outcomes that `effects resolve` (or an earlier correction) decided can be
     corrected. A run whose step failed on the unknown result continues with
-    `onceonly runs retry RUN`: the effect then replays the corrected result."""
-    if not happened and result is not UNKNOWN_RESULT:
+    `onceonly runs retry RUN`: the effect then replays the corrected result. KEY_ID may be
+    the start of the key id that `onceonly effects list` shows."""
+    from onceonly.ledger import UNKNOWN_RESULT  # noqa: PLC0415
+
+    if not happened and result is not UNSET:
         raise click.UsageError("--result goes with --happened (nothing happened, no result)")
+    result = UNKNOWN_RESULT if result is UNSET else result
     who = identity(actor)
     with ledger_on(url, secrets=True) as ledger:
+        key_id = full_key_id(ledger, key_id)
         rec = ledger.correct(key_id, happened=happened, result=result, evidence=evidence, actor=who)
     _decided(rec, who, "corrected", happened, result, as_json)
 
@@ -222,6 +293,8 @@ def _decided(
     rec: EffectRecord, who: str, verb: str, happened: bool, result: object, as_json: bool
 ) -> None:
     """Print an operator's decision, and what a step replaying the effect will see."""
+    from onceonly.ledger import UNKNOWN_RESULT  # noqa: PLC0415
+
     if not happened:
         sees = "no outcome: its next attempt sends the effect (with the same key)"
     elif result is UNKNOWN_RESULT:
@@ -258,17 +331,19 @@ def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
         doc["note"] = note
         click.echo(json.dumps(doc))
     else:
-        con = Console(soft_wrap=True)
+        con = make_console()
         if note is not None:
-            con.print(f"[yellow]note:[/yellow] {note}")
+            con.print(styled("note:", "yellow"), note)
         con.print(
             f"chains {report.chains}, events {report.events}, effects {report.effects}, "
             f"blobs and checkpoints {report.blobs}"
         )
         for p in report.problems:
-            con.print(f"[red]problem:[/red] {p}")
+            con.print(styled("problem:", "red"), p)
         con.print(
-            "[green]OK[/green]" if report.ok else f"[red]{len(report.problems)} problem(s)[/red]"
+            styled("OK", "green")
+            if report.ok
+            else styled(f"{len(report.problems)} problem(s)", "red")
         )
     if not report.ok:
         sys.exit(1)

@@ -3,24 +3,26 @@
 Commands: ``demo``, ``migrate``, ``worker``, ``runs list|show|edit|cancel|retry|fork``,
 ``approve``, ``reject``, ``signal``, ``effects list|show|resolve|correct``,
 ``audit verify|export`` and ``gc``. Typed errors print one line and exit with code 1;
-malformed arguments are usage errors (exit code 2).
+malformed arguments are usage errors (exit code 2). With ``--json``, an error is also
+one JSON document on stdout: ``{"error": {"type": ..., "message": ..., "exit_code": ...}}``.
+
+The commands are in :mod:`onceonly.cli.runs` (runs and their waits) and
+:mod:`onceonly.cli.effects` (the effects ledger and its audit trail); what they share in
+``onceonly.cli._common``. Modules import click and nothing heavy at the top: each
+command imports the store, the ledger, rich or the demo when it runs, so ``onceonly
+--help`` starts fast.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
-from rich.console import Console
-from rich.markup import escape
 
-from onceonly.checkpoint import OnceOnlyError, Store, migrate, scrub
-from onceonly.checkpoint.errors import ConfigurationError
-from onceonly.ledger import migrate as ledger_migrate
-
-from ._cli_common import (
+from ._common import (
     DURATION,
     URL_HELP,
     db_url,
@@ -32,11 +34,15 @@ from ._cli_common import (
     open_ledger,
     operator,
     progress,
+    sqlite_path,
     url_option,
 )
-from ._cli_effects import audit, effects
-from ._cli_runs import approve_cmd, reject_cmd, runs, signal_cmd
-from .flow import Flow
+from ._logging import LOG_FORMATS, LOG_LEVELS
+from .effects import audit, effects
+from .runs import approve_cmd, reject_cmd, runs, signal_cmd
+
+if TYPE_CHECKING:
+    from onceonly.flow import Flow
 
 __all__ = ["cli", "load_flows", "main"]
 
@@ -59,9 +65,9 @@ def cli() -> None:
 @click.option("--seed", type=int, default=None, help="Seed of --crash-at random (replay).")
 def demo_cmd(db: str | None, crash_at: str, seed: int | None) -> None:
     """Vendor onboarding against local servers; the worker is SIGKILLed and resumed."""
-    from . import demo  # noqa: PLC0415
+    from onceonly.demo import main as demo_main  # noqa: PLC0415  (its servers: only here)
 
-    sys.exit(demo.main(db, crash_at=crash_at, seed=seed))
+    sys.exit(demo_main(db, crash_at=crash_at, seed=seed))
 
 
 @cli.command("migrate")
@@ -71,7 +77,11 @@ def demo_cmd(db: str | None, crash_at: str, seed: int | None) -> None:
 def migrate_cmd(url: str | None, sql: bool, langgraph: bool) -> None:
     """Create or upgrade the database schema (checkpoint core and effects ledger; with
     --langgraph also the LangGraph checkpointer's tables)."""
+    from onceonly.checkpoint import migrate  # noqa: PLC0415
+    from onceonly.ledger import migrate as ledger_migrate  # noqa: PLC0415
+
     target = db_url(url)
+    sqlite_path(target, must_exist=False)
     click.echo(migrate(target, sql=sql), nl=not sql)
     click.echo(ledger_migrate(target, sql=sql), nl=not sql)
     if langgraph:
@@ -139,6 +149,9 @@ def load_flows(spec: str) -> list[Flow]:
     """
     import importlib  # noqa: PLC0415
 
+    from onceonly.checkpoint.errors import ConfigurationError  # noqa: PLC0415
+    from onceonly.flow import Flow  # noqa: PLC0415
+
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigurationError(f"--flows {spec!r}: use module:attribute, e.g. myapp.flows:FLOWS")
@@ -180,6 +193,21 @@ def load_flows(spec: str) -> list[Flow]:
     help="When checkpoints become durable (the store's Durability): every ledger write is "
     "durable before it returns in every mode; async/exit batch the checkpoints.",
 )
+@click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="info",
+    show_default=True,
+    help="Least severe log line written (stderr).",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(LOG_FORMATS),
+    default="text",
+    show_default=True,
+    help="text: one readable line per event; json: one JSON object per line (ts, level, "
+    "logger, message, and fields such as event, run_id, command).",
+)
 def worker_cmd(
     url: str | None,
     flows_spec: str,
@@ -190,46 +218,89 @@ def worker_cmd(
     batch: int,
     until_idle: bool,
     durability: str,
+    log_level: str,
+    log_format: str,
 ) -> None:
-    """Claim ready runs and drive them; SIGTERM drains (the current step finishes)."""
-    import logging  # noqa: PLC0415
+    """Claim ready runs of the --flows and drive them; SIGTERM drains (the current step
+    finishes). A run parked for a person is logged with the command that settles it."""
+    from onceonly.checkpoint import Store  # noqa: PLC0415
+    from onceonly.runtime import Runtime, default_owner  # noqa: PLC0415
+    from onceonly.worker import Worker  # noqa: PLC0415
 
-    from .runtime import Runtime, default_owner  # noqa: PLC0415
-    from .worker import Worker  # noqa: PLC0415
+    from ._logging import configure  # noqa: PLC0415
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per provider request
-    flows = load_flows(flows_spec)
-    worker_owner = owner or default_owner()
-    with Store.open(db_url(url), durability=durability) as store:
-        ledger = open_ledger(store, required=True, owner=worker_owner, lease_s=claim_lease_s)
-        try:
-            rt = Runtime(store, ledger, flows, owner=worker_owner, lease_s=lease_s)
-            worker = Worker(rt, batch=batch, poll_s=poll_s)
-            worker.install_signal_handlers()
-            stats = worker.run(until_idle=until_idle)
-        finally:
-            ledger.close()
+    with configure(log_level.lower(), log_format):
+        flows = load_flows(flows_spec)
+        worker_owner = owner or default_owner()
+        target = db_url(url)
+        sqlite_path(target, must_exist=False)  # a worker may be the first to use a database
+        with Store.open(target, durability=durability) as store:
+            ledger = open_ledger(store, required=True, owner=worker_owner, lease_s=claim_lease_s)
+            try:
+                rt = Runtime(store, ledger, flows, owner=worker_owner, lease_s=lease_s)
+                worker = Worker(rt, batch=batch, poll_s=poll_s)
+                worker.install_signal_handlers()
+                stats = worker.run(until_idle=until_idle)
+            finally:
+                ledger.close()
     click.echo(
         f"worker {worker_owner} stopped: {stats.runs_driven} run(s) driven, "
         f"{stats.claim_conflicts} claim conflict(s)"
     )
 
 
-def main() -> None:
-    """Console-script entry point: typed errors become one clear line and exit code 1.
+def main(args: Sequence[str] | None = None) -> None:
+    """Console-script entry point: typed errors become one clear line and exit code 1
+    (with ``--json``, also one JSON document on stdout); usage errors exit with code 2.
 
     No database password and no keyring secret is printed: messages are masked (the
     store masks them where they are made; this is the last line of defence), and so is
     the chain of an unexpected error before its traceback is shown.
+
+    Args:
+        args: The arguments (default: ``sys.argv[1:]``).
     """
+    argv = list(sys.argv[1:] if args is None else args)
+    as_json = "--json" in argv
     try:
-        cli(standalone_mode=True)
-    except OnceOnlyError as exc:
-        # soft_wrap: one line, whatever the terminal width (scripts grep these).
-        text = escape(masked(str(exc), sys.argv))
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {text}", markup=True)
+        rv = cli.main(argv, prog_name="onceonly", standalone_mode=False)
+    except click.ClickException as exc:
+        if as_json:  # and the usual usage text on stderr
+            message = masked(exc.format_message(), argv)
+            emit_json(
+                {
+                    "error": {
+                        "type": type(exc).__name__,
+                        "message": message,
+                        "exit_code": exc.exit_code,
+                    }
+                }
+            )
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("Aborted!", err=True)
         sys.exit(1)
     except Exception as exc:
-        scrub(exc, *known_secrets(sys.argv))
+        # A typed error comes from the store, which is then imported (not for --help).
+        errors = sys.modules.get("onceonly.checkpoint.errors")
+        if errors is not None and isinstance(exc, errors.OnceOnlyError):
+            _fail(type(exc).__name__, masked(str(exc), argv), 1, as_json=as_json)
+        from onceonly.checkpoint import scrub  # noqa: PLC0415
+
+        scrub(exc, *known_secrets(argv))
         raise
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _fail(kind: str, message: str, code: int, *, as_json: bool) -> NoReturn:
+    """Report an error and exit: one line on stderr (for a person), and with ``--json``
+    the same as one JSON document on stdout (for the program reading it)."""
+    if as_json:
+        emit_json({"error": {"type": kind, "message": message, "exit_code": code}})
+    from ._common import make_console, styled  # noqa: PLC0415
+
+    # soft_wrap: one line, whatever the terminal width (scripts grep these); the message
+    # is the user's text too (a run id), never markup.
+    make_console(stderr=True).print(styled("error:", "red"), message)
+    sys.exit(code)

@@ -1,5 +1,8 @@
 """What the ``onceonly`` commands share: the database URL, the keyring, the operator's
-identity, typed parameters (durations, JSON, hashes), JSON output and progress."""
+identity, typed parameters (durations, JSON, hashes), JSON output, tables and progress.
+
+Only click is imported here at module level: ``onceonly --help`` must not pay for the
+store, the ledger or rich (each is imported by the command that uses it)."""
 
 from __future__ import annotations
 
@@ -8,21 +11,21 @@ import getpass
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from sqlalchemy import make_url
-from sqlalchemy.exc import ArgumentError
 
-from onceonly.checkpoint import Codec, Store, redact
-from onceonly.checkpoint.errors import ConfigurationError
-from onceonly.ledger import EffectRecord, Keyring, Ledger, Secret
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
 
-from .operator import Operator
+    from onceonly.checkpoint import Codec, Store
+    from onceonly.ledger import EffectRecord, Keyring, Ledger
+    from onceonly.operator import Operator
 
 DEFAULT_URL = "sqlite:///onceonly.db"
 URL_HELP = "Database URL (env ONCEONLY_DATABASE_URL; default sqlite:///onceonly.db)."
@@ -57,6 +60,9 @@ def known_secrets(argv: Sequence[str]) -> tuple[str, ...]:
 
 
 def _password(url: str) -> str | None:
+    from sqlalchemy import make_url  # noqa: PLC0415
+    from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
+
     try:
         return make_url(url).password
     except (ArgumentError, ValueError, TypeError):  # redact() masks it by its shape
@@ -66,6 +72,8 @@ def _password(url: str) -> str | None:
 def masked(text: str, argv: Sequence[str]) -> str:
     """``text`` with database passwords and keyring secrets masked (see
     :func:`checkpoint.redact` and :func:`known_secrets`)."""
+    from onceonly.checkpoint import redact  # noqa: PLC0415
+
     return redact(text, *known_secrets(argv))
 
 
@@ -73,6 +81,9 @@ def keyring(required: bool) -> Keyring | None:
     """The keyring from ``$ONCEONLY_SECRETS``; when not ``required`` and unset, None (a
     read-only view: listing and showing metadata need no secret, but then nothing is
     checked against its seal, and nothing can be written)."""
+    from onceonly.checkpoint.errors import ConfigurationError  # noqa: PLC0415
+    from onceonly.ledger import Keyring  # noqa: PLC0415
+
     try:
         return Keyring.from_env()
     except ConfigurationError:
@@ -84,6 +95,8 @@ def keyring(required: bool) -> Keyring | None:
 def open_ledger(store: Store, *, required: bool, **kwargs: Any) -> Ledger:
     """A ledger on ``store``: keyed from ``$ONCEONLY_SECRETS``, or read-only without it
     (when not ``required``)."""
+    from onceonly.ledger import Keyring, Ledger, Secret  # noqa: PLC0415
+
     ring = keyring(required=required)
     if ring is None:
         return Ledger(
@@ -98,6 +111,8 @@ def identity(given: str | None) -> str:
     Raises:
         ConfigurationError: Neither is known (an action is never recorded anonymously).
     """
+    from onceonly.checkpoint.errors import ConfigurationError  # noqa: PLC0415
+
     if given is not None:
         if not given.strip():
             raise ConfigurationError("--as: the identity is empty")
@@ -112,6 +127,53 @@ def identity(given: str | None) -> str:
 
 
 @contextlib.contextmanager
+def open_store(url: str | None, **kwargs: Any) -> Iterator[Store]:
+    """A :class:`checkpoint.Store` on an existing database (the schema is never created,
+    and neither is a SQLite file: a mistyped path is refused, not made)."""
+    from onceonly.checkpoint import Store  # noqa: PLC0415
+
+    target = db_url(url)
+    sqlite_path(target, must_exist=True)
+    with Store.open(target, create=False, **kwargs) as store:
+        yield store
+
+
+def sqlite_path(url: str, *, must_exist: bool) -> str | None:
+    """The file of a ``sqlite:///PATH`` URL (None for other URLs), checked: its directory
+    exists, and with ``must_exist`` the file too (SQLite would create an empty one, and
+    the command would then report a missing schema instead of a mistyped path).
+
+    Raises:
+        ConfigurationError: The directory or the file is missing.
+    """
+    if not url.startswith("sqlite"):
+        return None
+    from sqlalchemy import make_url  # noqa: PLC0415
+    from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
+
+    from onceonly.checkpoint.errors import ConfigurationError  # noqa: PLC0415
+
+    try:
+        path = make_url(url).database
+    except (ArgumentError, ValueError):
+        return None  # the store reports a malformed URL
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigurationError(
+            f"no directory {folder!r} for the SQLite database {path!r} (SQLite needs no "
+            "server: check the path in the URL); nothing was written"
+        )
+    if must_exist and not os.path.exists(path):
+        raise ConfigurationError(
+            f"no SQLite database at {path!r} (a mistyped path? nothing was created); "
+            f"create one with `onceonly migrate --url {url}`"
+        )
+    return path
+
+
+@contextlib.contextmanager
 def operator(url: str | None) -> Iterator[Operator]:
     """An :class:`Operator` on an existing database (the schema is never created here).
     Operators write sealed rows: ``$ONCEONLY_SECRETS`` is required.
@@ -120,7 +182,10 @@ def operator(url: str | None) -> Iterator[Operator]:
     registered are shown rather than refused, and written back exactly as they were
     stored (as :class:`checkpoint.Opaque` values) by every action that saves a state.
     """
-    with Store.open(db_url(url), create=False, codec=Codec(strict=False)) as store:
+    from onceonly.checkpoint import Codec  # noqa: PLC0415
+    from onceonly.operator import Operator  # noqa: PLC0415
+
+    with open_store(url, codec=Codec(strict=False)) as store:
         ledger = open_ledger(store, required=True, create=False)
         try:
             yield Operator(store, ledger)
@@ -131,7 +196,7 @@ def operator(url: str | None) -> Iterator[Operator]:
 @contextlib.contextmanager
 def ledger_on(url: str | None, *, secrets: bool = False) -> Iterator[Ledger]:
     """The effects ledger on an existing database."""
-    with Store.open(db_url(url), create=False) as store:
+    with open_store(url) as store:
         ledger = open_ledger(store, required=secrets, create=False)
         try:
             yield ledger
@@ -261,10 +326,18 @@ HASH = Hash()
 def progress(description: str, total: float | None = None) -> Iterator[Progress]:
     """A progress display on stderr (stdout stays clean for ``--json`` and pipes);
     silent when stderr is not a terminal."""
-    console = Console(stderr=True)
+    from rich.progress import (  # noqa: PLC0415
+        BarColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    console = make_console(stderr=True)
     bar = Progress(
         SpinnerColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # it may hold a path
         BarColumn(),
         TimeElapsedColumn(),
         console=console,
@@ -274,3 +347,72 @@ def progress(description: str, total: float | None = None) -> Iterator[Progress]
     with bar:
         bar.add_task(description, total=total)
         yield bar
+
+
+def make_console(*, stderr: bool = False, soft_wrap: bool = True) -> Console:
+    """A console that never reads what it prints as markup: run ids, flow names, reasons
+    and paths are the user's text (``po[/x]`` is printed as it is, not parsed). Styles are
+    given as :class:`rich.text.Text` styles instead. Lines are not wrapped at the terminal
+    width (``soft_wrap``: a command to copy stays one line) unless told otherwise."""
+    from rich.console import Console  # noqa: PLC0415
+
+    return Console(stderr=stderr, markup=False, highlight=False, soft_wrap=soft_wrap)
+
+
+def styled(text: str, style: str) -> Any:
+    """``text`` in ``style`` (a :class:`rich.text.Text`; never parsed as markup)."""
+    from rich.text import Text  # noqa: PLC0415
+
+    return Text(text, style)
+
+
+def is_terminal() -> bool:
+    """Whether stdout is a terminal (tables), or a pipe or file (the plain layout)."""
+    return sys.stdout.isatty()
+
+
+def print_table(
+    title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], **layout: Any
+) -> None:
+    """Print rows under their column headings on stdout.
+
+    On a terminal: a table fitted to its width; the columns named in ``fold`` may wrap,
+    the others never do (ids stay whole on one line, to copy). Piped or redirected: a
+    plain layout, one line per row with the columns padded and separated by two spaces;
+    no borders, no colour, nothing wrapped or shortened (a line break in a cell becomes
+    ``; ``, an empty cell ``-``), for ``grep``, ``cut`` and ``less``.
+
+    Args:
+        title: The table's title (not printed in the plain layout).
+        columns: The column headings.
+        rows: The cells, as plain text (never read as markup).
+        layout: ``fold`` (headings of columns that may wrap), ``right`` (right-aligned).
+    """
+    if not is_terminal():
+        _plain_table(columns, rows)
+        return
+    from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    fold = set(layout.get("fold", ()))
+    right = set(layout.get("right", ()))
+    table: Table = Table(title=Text(title), title_justify="left")
+    for col in columns:
+        table.add_column(
+            Text(col),
+            no_wrap=col not in fold,
+            overflow="fold",
+            justify="right" if col in right else "left",
+        )
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))
+    make_console(soft_wrap=False).print(table)
+
+
+def _plain_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    cells = [list(columns)]
+    cells += [[(c.replace("\n", "; ") or "-") for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    for r in cells:
+        line = "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+        click.echo(line.rstrip())

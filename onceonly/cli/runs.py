@@ -5,37 +5,38 @@ the operator's identity."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.panel import Panel
-from rich.syntax import Syntax
-from rich.table import Table
-from rich.text import Text
 
-from onceonly.checkpoint import Codec, RunStatus, SchemaVersionError, Store, Wait, WaitKind, Waits
-
-from ._cli_common import (
+from ._common import (
     HASH,
     JSON,
     actor_option,
     ago,
-    db_url,
     emit_json,
     identity,
+    is_terminal,
     json_option,
+    make_console,
     open_ledger,
+    open_store,
     operator,
     plain,
+    print_table,
     record_json,
     url_option,
 )
-from .operator import Operator, RunView
-from .runtime import META
+
+if TYPE_CHECKING:
+    from onceonly.checkpoint import Codec, Store, Wait
+    from onceonly.operator import Operator, RunView
+
+# RunStatus's values, spelled out so that `--help` does not import the store (a test
+# keeps them equal).
+RUN_STATUSES = ("running", "waiting", "completed", "failed", "cancelled")
 
 __all__ = ["approve_cmd", "reject_cmd", "runs", "signal_cmd"]
 
@@ -44,6 +45,8 @@ __all__ = ["approve_cmd", "reject_cmd", "runs", "signal_cmd"]
 
 
 def _waiting_on(wait: Wait, now: float) -> str:
+    from onceonly.checkpoint import WaitKind  # noqa: PLC0415
+
     text = f"{wait.kind.value} {wait.name}"
     if wait.due_at is not None:
         verb = "due" if wait.kind is WaitKind.TIMER else "expires"
@@ -52,6 +55,8 @@ def _waiting_on(wait: Wait, now: float) -> str:
 
 
 def _wait_json(codec: Codec, w: Wait) -> dict[str, Any]:
+    from onceonly.checkpoint import WaitKind  # noqa: PLC0415
+
     return {
         "name": w.name,
         "kind": w.kind.value,
@@ -78,7 +83,7 @@ def runs() -> None:
 @url_option
 @click.option(
     "--status",
-    type=click.Choice([s.value for s in RunStatus]),
+    type=click.Choice(RUN_STATUSES),
     default=None,
     help="Only runs with this status.",
 )
@@ -88,8 +93,13 @@ def runs() -> None:
 def runs_list(
     url: str | None, status: str | None, flow: str | None, limit: int | None, as_json: bool
 ) -> None:
-    """List runs, most recently updated first, with what each waits on and who holds it."""
-    with Store.open(db_url(url), create=False) as store:
+    """List runs, most recently updated first, with what each waits on and who holds it.
+
+    On a terminal, a table; piped, the same columns in a plain layout (one line a run).
+    """
+    from onceonly.checkpoint import Waits  # noqa: PLC0415
+
+    with open_store(url) as store:
         rows = store.list_runs(status=status, flow=flow, limit=limit)
         open_waits: dict[str, list[Wait]] = defaultdict(list)
         for w in Waits(store).find(status="open"):
@@ -116,14 +126,7 @@ def runs_list(
             ]
         )
         return
-    table = Table(title="runs")
-    table.add_column("run id", no_wrap=True, overflow="fold")  # ids are copied: never "…"
-    for col in ("flow", "status"):
-        table.add_column(col, no_wrap=True)
-    for col in ("next step", "waiting on", "lease"):
-        table.add_column(col, overflow="fold")
-    table.add_column("ckpts", justify="right", no_wrap=True)
-    table.add_column("updated", no_wrap=True)
+    table: list[list[str]] = []
     for r in rows:
         n = "0" if r.head_seq is None else str(r.head_seq + 1)
         waits = "\n".join(_waiting_on(w, now) for w in open_waits.get(r.run_id, [])) or "-"
@@ -131,20 +134,32 @@ def runs_list(
         if r.lease_owner:
             lapsed = r.lease_expires_at is not None and r.lease_expires_at < now
             lease = f"{r.lease_owner} ({'lapsed' if lapsed else 'until'} {ago(r.lease_expires_at)})"
-        table.add_row(
-            r.run_id,
-            r.flow,
-            r.status.value,
-            r.next_step or "-",
-            waits,
-            lease,
-            n,
-            ago(r.updated_at, now),
+        table.append(
+            [
+                r.run_id,
+                r.flow,
+                r.status.value,
+                r.next_step or "-",
+                waits,
+                lease,
+                n,
+                ago(r.updated_at, now),
+            ]
         )
-    Console().print(table)
+    print_table(
+        "runs",
+        ("run id", "flow", "status", "next step", "waiting on", "lease", "ckpts", "updated"),
+        table,
+        fold=("flow", "next step", "waiting on", "lease"),
+        right=("ckpts",),
+    )
 
 
 def _view(store: Store, run_id: str) -> RunView:
+    from onceonly.checkpoint import SchemaVersionError, Waits  # noqa: PLC0415
+    from onceonly.operator import Operator, RunView  # noqa: PLC0415
+    from onceonly.runtime import META  # noqa: PLC0415
+
     try:
         ledger = open_ledger(store, required=False, create=False)
     except SchemaVersionError as exc:
@@ -208,7 +223,13 @@ def _when(t: float | None) -> str:
 
 
 def _print_view(doc: dict[str, Any]) -> None:
-    con = Console()
+    from rich.panel import Panel  # noqa: PLC0415
+    from rich.syntax import Syntax  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    # Every cell and title is the user's text, never markup.
+    con = make_console(soft_wrap=False)
     now = time.time()
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
@@ -238,7 +259,7 @@ def _print_view(doc: dict[str, Any]) -> None:
     ):
         if value:
             head.add_row(label, value)
-    con.print(Panel(head, title=f"run {doc['run_id']}", expand=False))
+    con.print(Panel(head, title=Text(f"run {doc['run_id']}"), expand=False))
 
     if doc["waits"]:
         waits = Table(title="waits")
@@ -263,8 +284,8 @@ def _print_view(doc: dict[str, Any]) -> None:
         for w in doc["waits"]:
             if w["kind"] == "approval" and w["status"] == "open":
                 body = Syntax(json.dumps(w["subject"], indent=2, ensure_ascii=False), "json")
-                con.print(Panel(body, title=f"to approve: {w['name']}", expand=False))
-                how = f"onceonly approve {doc['run_id']} {w['name']} --hash {w['subject_hash']}"
+                con.print(Panel(body, title=Text(f"to approve: {w['name']}"), expand=False))
+                how = approve_command(doc["run_id"], w["name"], w["subject_hash"])
                 con.print(Text(how, "bold"), soft_wrap=True)  # one line, to copy
 
     if doc["effects"]:
@@ -307,7 +328,7 @@ def _print_view(doc: dict[str, Any]) -> None:
 
     if doc["state"] is not None:
         state = json.dumps(doc["state"], indent=2, ensure_ascii=False)
-        con.print(Panel(Syntax(state, "json"), title="state", expand=False))
+        con.print(Panel(Syntax(state, "json"), title=Text("state"), expand=False))
 
 
 @runs.command("show")
@@ -323,14 +344,23 @@ def runs_show(run_id: str, url: str | None, as_json: bool, tables: bool) -> None
 
     On a terminal it prints tables; piped, the same document as ``--json`` (indented).
     """
-    with Store.open(db_url(url), create=False, codec=Codec(strict=False)) as store:
+    from onceonly.checkpoint import Codec  # noqa: PLC0415
+
+    with open_store(url, codec=Codec(strict=False)) as store:
         doc = _show_doc(store, _view(store, run_id))
     if as_json:
         emit_json(doc)
-    elif tables or sys.stdout.isatty():
+    elif tables or is_terminal():
         _print_view(doc)
     else:
         click.echo(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
+
+
+def approve_command(run_id: str, name: str, digest: str) -> str:
+    """The command that approves approval ``name`` of ``run_id`` (shell-quoted)."""
+    import shlex  # noqa: PLC0415
+
+    return shlex.join(["onceonly", "approve", run_id, name, "--hash", digest])
 
 
 # -- acting ----------------------------------------------------------------------------------
