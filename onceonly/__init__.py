@@ -5,7 +5,7 @@ A :class:`Flow` is a set of named steps; a :class:`Runtime` starts and drives it
 :class:`Worker` claims ready runs in as many processes as share the database; an
 :class:`Operator` approves, signals, edits, cancels, retries, forks and cleans up. The
 ``onceonly`` command line (:mod:`onceonly.cli`) wraps them; ``onceonly demo`` runs the
-vendor-onboarding example (:mod:`onceonly.demo_flow`).
+vendor-onboarding example (:mod:`onceonly.demo.flow`).
 """
 
 from .context import BranchContext, StepContext

@@ -15,7 +15,7 @@ point, and a provider fault at every call.
   call instead of a crash.
 
 Both return a :class:`HarnessReport`; ``report.assert_ok()`` fails a test with what went
-wrong. See ``docs/howto-test-with-the-crash-harness.md``. The fakes need the ``demo``
+wrong. See ``docs/howto-test-with-the-crash-harness.md``. The fakes need the ``testing``
 extra (httpx, Starlette, uvicorn).
 """
 
@@ -37,6 +37,7 @@ from typing import IO, Any
 
 from onceonly.checkpoint import Durability, RunStatus, Store
 from onceonly.checkpoint.failpoints import KNOWN_FAILPOINTS
+from onceonly.flow import Flow
 from onceonly.ledger import EffectStatus, Keyring, Ledger, Secret
 
 from . import _crash_child
@@ -60,7 +61,6 @@ from ._harness import (
     Scenario,
     run_once,
 )
-from .flow import Flow
 
 __all__ = [
     "FAULTS",
@@ -175,7 +175,7 @@ def _flow_ref(flow: Flow) -> str:
 
 
 class _ForkServer:
-    """``python -m onceonly._crash_child``, started once per test process (and stopped at
+    """``python -m onceonly.testing._crash_child``, started once per test process (and stopped at
     its exit): it forks the children that crash."""
 
     _lock = threading.Lock()
@@ -189,7 +189,7 @@ class _ForkServer:
                 env = dict(os.environ)
                 env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "onceonly._crash_child"],
+                    [sys.executable, "-m", "onceonly.testing._crash_child"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
