@@ -38,9 +38,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from onceonly.testing.servers import AppServer
+from onceonly.testing.servers import AppServer, cut_response
 
 __all__ = ["BookingProvider", "RawRequest"]
 
@@ -55,17 +54,6 @@ class RawRequest:
     fencing: str | None
     body: bytes
     status: int | None = None  # what the provider answered (None: connection broken)
-
-
-class _Cut(Response):
-    """Starts a response, then breaks the connection (the server's answer is lost)."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": 201, "headers": [(b"content-length", b"64")]}
-        )
-        await send({"type": "http.response.body", "body": b'{"id":', "more_body": True})
-        raise ConnectionAbortedError("connection cut by the fake provider")
 
 
 @dataclass
@@ -169,7 +157,7 @@ class BookingProvider:
         if fault == "drop":
             await asyncio.sleep(self.sleep_s)
         if fault == "cut":
-            return _Cut()
+            return cut_response()
         return answer(201, created)
 
     async def _hold(self, request: Request) -> Response:

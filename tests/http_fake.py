@@ -35,9 +35,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from onceonly.testing.servers import AppServer
+from onceonly.testing.servers import AppServer, cut_response
 
 __all__ = ["FakeProvider", "RawRequest"]
 
@@ -60,17 +59,6 @@ class _Stored:
     status: int
     response: Any
     at: float
-
-
-class _Cut(Response):
-    """Starts a response, then breaks the connection (the server's answer is lost)."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": 201, "headers": [(b"content-length", b"64")]}
-        )
-        await send({"type": "http.response.body", "body": b'{"id":', "more_body": True})
-        raise ConnectionAbortedError("connection cut by the fake provider")
 
 
 @dataclass
@@ -201,5 +189,5 @@ class FakeProvider:
         if fault == "drop":
             await asyncio.sleep(self.sleep_s)
         if fault == "cut":
-            return _Cut()
+            return cut_response()
         return answer(201, response)

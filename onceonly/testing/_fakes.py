@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from onceonly.checkpoint import Store
 from onceonly.ledger import Keyring, Ledger, ProviderClass, Secret
 
-from .servers import AppServer
+from .servers import AppServer, cut_response
 
 if TYPE_CHECKING:
     import httpx
@@ -368,27 +368,8 @@ class HTTPProvider:
         if fault == "timeout":
             await asyncio.sleep(self.sleep_s)
         if fault in ("cut", "forget"):
-            return _cut()
+            return cut_response()
         return JSONResponse(response, 201)
-
-
-def _cut() -> Response:
-    """An answer that starts, then breaks the connection (the answer is lost)."""
-    from starlette.responses import Response  # noqa: PLC0415
-
-    class Cut(Response):
-        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 201,
-                    "headers": [(b"content-length", b"64")],
-                }
-            )
-            await send({"type": "http.response.body", "body": b'{"id":', "more_body": True})
-            raise ConnectionAbortedError("connection cut by the fake provider")
-
-    return Cut()
 
 
 # -- databases ---------------------------------------------------------------------------

@@ -7,6 +7,8 @@ until they answer, and stop them.
 * :class:`ProcessServer`: a server program in a subprocess, listening on loopback ports it
   is told; :meth:`ProcessServer.start` returns once every port accepts a connection, and
   :meth:`ProcessServer.stop` ends that process by its pid (SIGTERM, then SIGKILL).
+* :func:`cut_response`: an answer that breaks the connection half-way (the provider
+  acted; its answer is lost), for a fake's ``cut`` fault.
 * :class:`MailDevel`: ``mail_devel`` (SMTP + IMAP, in memory, one INBOX) as a
   :class:`ProcessServer`; every message its SMTP port accepts can be counted over IMAP.
 
@@ -28,9 +30,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-__all__ = ["HOST", "AppServer", "MailDevel", "ProcessServer", "free_port", "wait_listening"]
+if TYPE_CHECKING:
+    from starlette.responses import Response
+
+__all__ = [
+    "HOST",
+    "AppServer",
+    "MailDevel",
+    "ProcessServer",
+    "cut_response",
+    "free_port",
+    "wait_listening",
+]
 
 HOST = "127.0.0.1"
 """The only interface a fake listens on."""
@@ -59,6 +72,28 @@ def wait_listening(port: int, timeout_s: float = 20.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def cut_response(status: int = 201) -> Response:
+    """A Starlette response that starts (``status``, a promised body), then breaks the
+    connection: the provider acted, and its answer is lost on the way (a fake's ``cut``
+    fault). Raising in the ASGI app aborts the connection; uvicorn logs nothing at
+    ``critical``."""
+    from starlette.responses import Response  # noqa: PLC0415  (the testing extra)
+
+    class Cut(Response):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-length", b"64")],
+                }
+            )
+            await send({"type": "http.response.body", "body": b'{"id":', "more_body": True})
+            raise ConnectionAbortedError("connection cut by the fake provider")
+
+    return Cut()
 
 
 class AppServer:
