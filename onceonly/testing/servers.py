@@ -19,6 +19,7 @@ applications need Starlette and uvicorn, :class:`MailDevel` needs mail-devel (th
 
 from __future__ import annotations
 
+import abc
 import imaplib
 import shutil
 import smtplib
@@ -96,7 +97,31 @@ def cut_response(status: int = 201) -> Response:
     return Cut()
 
 
-class AppServer:
+class _Server(abc.ABC):
+    """A server that :meth:`start` starts (and returns) and :meth:`stop` stops; as a
+    context manager, it serves inside the ``with`` block."""
+
+    @abc.abstractmethod
+    def start(self, timeout_s: float = 10.0) -> Self:
+        """Start; returns once it answers."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop; its ports are free again."""
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class AppServer(_Server):
     """An ASGI application served by uvicorn in a daemon thread, on 127.0.0.1.
 
     The socket is bound here (``port`` and ``url`` are known at once) and listens from
@@ -170,19 +195,8 @@ class AppServer:
             thread.join(10 + self.graceful_s)
         self._sock.close()
 
-    def __enter__(self) -> Self:
-        return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-class ProcessServer:
+class ProcessServer(_Server):
     """A server program in a subprocess, listening on 127.0.0.1 ``ports``.
 
     Args:
@@ -255,17 +269,6 @@ class ProcessServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout_s)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _mail_devel() -> str | None:
