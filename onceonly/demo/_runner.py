@@ -2,7 +2,8 @@
 
 The demo starts real local servers (SMTP + IMAP, a sanctions-screening API, an ERP API;
 :mod:`onceonly.demo.services`), starts a run of :mod:`onceonly.demo.flow` on an embedded
-SQLite store, and runs it with ``onceonly worker`` processes:
+SQLite store, and runs it with worker processes (:mod:`onceonly.demo._worker`, the same
+``Worker`` as ``onceonly worker``):
 
 * default: the worker e-mails the supplier and waits; the supplier's documents arrive (a
   signal); the worker extracts and screens them and waits for a compliance officer. Then a
