@@ -5,7 +5,7 @@ A :class:`Flow` is a set of named steps; a :class:`Runtime` starts and drives it
 :class:`Worker` claims ready runs in as many processes as share the database; an
 :class:`Operator` approves, signals, edits, cancels, retries, forks and cleans up. The
 ``onceonly`` command line (:mod:`onceonly.cli`) wraps them; ``onceonly demo`` runs the
-vendor-onboarding example (:mod:`onceonly.demo`).
+vendor-onboarding example (:mod:`onceonly.demo.flow`).
 
 The names are imported on first use (PEP 562): ``import onceonly`` (and the
 ``onceonly.checkpoint`` / ``onceonly.ledger`` / ``onceonly.adapters`` packages it holds,

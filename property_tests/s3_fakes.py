@@ -28,17 +28,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from onceonly.testing.servers import AppServer
 
 __all__ = ["FencedAPI", "Raw"]
 
@@ -78,45 +78,22 @@ class FencedAPI:
         self.check_fencing = check_fencing
         self._lock = threading.Lock()
         self._s = _State([], {}, {}, 0)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.app = Starlette(
             routes=[
                 Route("/b/lookup/{key}", self._lookup, methods=["GET"]),
                 Route("/{cls}/deliver", self._deliver, methods=["POST"]),
             ]
         )
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._http = AppServer(self.app, name="the fenced fake provider")
+        self.url = self._http.url
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> FencedAPI:
-        config = uvicorn.Config(
-            self.app,
-            log_config=None,
-            log_level="critical",
-            lifespan="off",
-            timeout_graceful_shutdown=1,
-            backlog=512,
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("fenced fake provider did not start")
-            time.sleep(0.01)
+        self._http.start()
         return self
 
     def stop(self) -> None:
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(10)
-        self._sock.close()
+        self._http.stop()
 
     # -- the oracle ---------------------------------------------------------------------
     @property

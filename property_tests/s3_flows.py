@@ -31,7 +31,7 @@ import httpx
 
 from onceonly.adapters.http import GuardedHTTP
 from onceonly.context import StepContext
-from onceonly.demo_flow import onboarding
+from onceonly.demo.flow import onboarding
 from onceonly.flow import Flow, Transition
 from onceonly.ledger import EffectRecord, Evidence
 

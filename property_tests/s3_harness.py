@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from onceonly.checkpoint import RunStatus, Store, WaitKind, WaitRefused, migrate
-from onceonly.demo_services import HOST, HTTPService, MailService
+from onceonly.demo.services import HOST, HTTPService, MailService
 from onceonly.ledger import EffectStatus, Keyring, Ledger, Secret
 from onceonly.ledger import migrate as ledger_migrate
 from onceonly.operator import Operator

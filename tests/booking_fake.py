@@ -30,18 +30,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+
+from onceonly.testing.servers import AppServer, cut_response
 
 __all__ = ["BookingProvider", "RawRequest"]
 
@@ -58,17 +56,6 @@ class RawRequest:
     status: int | None = None  # what the provider answered (None: connection broken)
 
 
-class _Cut(Response):
-    """Starts a response, then breaks the connection (the server's answer is lost)."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": 201, "headers": [(b"content-length", b"64")]}
-        )
-        await send({"type": "http.response.body", "body": b'{"id":', "more_body": True})
-        raise ConnectionAbortedError("connection cut by the fake provider")
-
-
 @dataclass
 class BookingProvider:
     """See the module docstring."""
@@ -82,12 +69,6 @@ class BookingProvider:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
-        self.port: int = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
         self.app = Starlette(
             routes=[
                 Route("/holds", self._lookup_holds, methods=["GET"]),
@@ -96,6 +77,9 @@ class BookingProvider:
                 Route("/holds/{hold_id}/confirm", self._confirm, methods=["POST"]),
             ]
         )
+        self._http = AppServer(self.app, name="the fake booking provider")
+        self.port: int = self._http.port
+        self.url = self._http.url
 
     # -- oracle -----------------------------------------------------------------------
 
@@ -109,30 +93,11 @@ class BookingProvider:
 
     def start(self) -> None:
         """Listen and serve (in a thread) until :meth:`stop`."""
-        config = uvicorn.Config(
-            self.app,
-            log_config=None,
-            log_level="critical",
-            lifespan="off",
-            timeout_graceful_shutdown=2,
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + 5
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("fake booking provider did not start")
-            time.sleep(0.01)
+        self._http.start()
 
     def stop(self) -> None:
         """Stop serving and close the socket."""
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(10)
-        self._sock.close()
+        self._http.stop()
 
     # -- handlers ---------------------------------------------------------------------
 
@@ -192,7 +157,7 @@ class BookingProvider:
         if fault == "drop":
             await asyncio.sleep(self.sleep_s)
         if fault == "cut":
-            return _Cut()
+            return cut_response()
         return answer(201, created)
 
     async def _hold(self, request: Request) -> Response:

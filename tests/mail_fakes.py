@@ -1,7 +1,8 @@
 """Real mail servers on 127.0.0.1 for the e-mail adapter tests.
 
 * :class:`MailDevel` runs ``mail_devel`` (SMTP + IMAP, in memory, single mailbox) in a
-  subprocess: the IMAP side the adapter's probe searches.
+  subprocess (the one server helper, :mod:`onceonly.testing.servers`): the IMAP side the
+  adapter's probe searches.
 * :class:`FaultySMTP` is the SMTP server the adapter talks to: an aiosmtpd server that
   logs every DATA it receives (the raw delivery oracle), then files the message into
   mail-devel by relaying it to mail-devel's SMTP port, and can be told to fail the next
@@ -13,119 +14,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import imaplib
-import shutil
-import smtplib
 import socket
-import subprocess
-import sys
 import threading
-import time
 from dataclasses import dataclass
 from email import message_from_bytes, policy
-from pathlib import Path
 from typing import Any
 
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import SMTP, Envelope, Session
 
 from onceonly.adapters.email import IMAPMailbox, SMTPServer
+from onceonly.testing import servers
+from onceonly.testing.servers import HOST, free_port
 
 __all__ = ["HOST", "Delivery", "Fault", "FaultySMTP", "MailDevel", "free_port"]
 
-HOST = "127.0.0.1"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_listening(port: int, deadline: float) -> None:
-    while True:
-        try:
-            socket.create_connection((HOST, port), 0.2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-class MailDevel:
-    """``mail_devel`` in a subprocess: every message its SMTP port accepts lands in the
-    INBOX of ``user``, searchable over IMAP."""
-
-    user = "probe@example.org"
-    password = "probe-pw"  # noqa: S105  (a throwaway local test server)
-
-    def __init__(self) -> None:
-        self.smtp_port = free_port()
-        self.imap_port = free_port()
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        exe = Path(sys.executable).with_name("mail_devel")
-        cmd = str(exe) if exe.exists() else shutil.which("mail_devel")
-        assert cmd, "mail-devel is not installed"
-        self._proc = subprocess.Popen(
-            [
-                cmd,
-                "--host",
-                HOST,
-                "--smtp-port",
-                str(self.smtp_port),
-                "--imap-port",
-                str(self.imap_port),
-                "--no-http",
-                "--user",
-                self.user,
-                "--password",
-                self.password,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 20
-        try:
-            _wait_listening(self.smtp_port, deadline)
-            _wait_listening(self.imap_port, deadline)
-        except OSError:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-    def file(self, mail_from: str, rcpt_tos: list[str], raw: bytes) -> None:
-        """Deliver ``raw`` into the mailbox (through mail-devel's own SMTP port)."""
-        with smtplib.SMTP(HOST, self.smtp_port, timeout=10) as conn:
-            conn.sendmail(mail_from, rcpt_tos, raw)
+class MailDevel(servers.MailDevel):
+    """``mail_devel`` in a subprocess (:class:`onceonly.testing.servers.MailDevel`): every
+    message its SMTP port accepts lands in the INBOX of ``user``, searchable over IMAP."""
 
     def mailbox(self, **overrides: Any) -> IMAPMailbox:
         """The adapter's probe configuration for this server's INBOX."""
         options: dict[str, Any] = {"timeout_s": 5.0, **overrides}
         return IMAPMailbox(HOST, self.user, self.password, port=self.imap_port, **options)
-
-    def count(self, message_id: str) -> int:
-        """How many messages with ``message_id`` the INBOX holds."""
-        conn = imaplib.IMAP4(HOST, self.imap_port, timeout=5)
-        try:
-            conn.login(self.user, self.password)
-            conn.select("INBOX", readonly=True)
-            _, data = conn.search(None, "HEADER", "Message-ID", f'"{message_id}"')
-            return sum(len(d.split()) for d in data if isinstance(d, bytes))
-        finally:
-            conn.logout()
 
 
 class Fault(enum.Enum):

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -33,6 +31,7 @@ from starlette.routing import Route
 from onceonly.adapters.http import GuardedHTTP
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
+from onceonly.testing.servers import AppServer
 
 __all__ = ["FLOWS", "CountingProvider", "Delivery"]
 
@@ -161,19 +160,14 @@ class CountingProvider:
         self._by_key: dict[str, Any] = {}
         self.lookups = 0
         self.hold: dict[str, float] = {}
-        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so; without
-        # it every response waits ~40 ms for the client's delayed ACK (Nagle).
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.app = Starlette(
             routes=[
                 Route("/lookup/{key}", self._lookup, methods=["GET"]),
                 Route("/deliver", self._deliver, methods=["POST"]),
             ]
         )
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._http = AppServer(self.app, name="the counting provider")
+        self.url = self._http.url
 
     @property
     def log(self) -> list[Delivery]:
@@ -201,24 +195,11 @@ class CountingProvider:
 
     def start(self) -> None:
         """Serve in a thread."""
-        config = uvicorn.Config(self.app, log_config=None, log_level="critical", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + 5
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("counting provider did not start")
-            time.sleep(0.01)
+        self._http.start()
 
     def stop(self) -> None:
         """Stop serving."""
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(10)
-        self._sock.close()
+        self._http.stop()
 
     async def _deliver(self, request: Request) -> Response:
         body = await request.json()

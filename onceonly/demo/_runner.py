@@ -1,8 +1,9 @@
 """``onceonly demo``: vendor onboarding, with a worker killed mid-run and resumed.
 
 The demo starts real local servers (SMTP + IMAP, a sanctions-screening API, an ERP API;
-:mod:`onceonly.demo_services`), starts a run of :mod:`onceonly.demo_flow` on an embedded
-SQLite store, and runs it with ``onceonly worker`` processes:
+:mod:`onceonly.demo.services`), starts a run of :mod:`onceonly.demo.flow` on an embedded
+SQLite store, and runs it with worker processes (:mod:`onceonly.demo._worker`, the same
+``Worker`` as ``onceonly worker``):
 
 * default: the worker e-mails the supplier and waits; the supplier's documents arrive (a
   signal); the worker extracts and screens them and waits for a compliance officer. Then a
@@ -34,18 +35,17 @@ from rich.table import Table
 
 from onceonly.checkpoint import RunStatus, Store
 from onceonly.ledger import Keyring, Ledger, Secret
+from onceonly.operator import Operator
+from onceonly.runtime import META, Runtime
 
-from .demo_flow import FLOWS
-from .demo_services import HTTPService, MailService
-from .operator import Operator
-from .runtime import META, Runtime
+from .flow import FLOWS
+from .services import HTTPService, MailService
 
-__all__ = ["main"]
+__all__ = ["run"]
 
 RUN_ID = "vendor-acme-001"
 _CRASH_ROUNDS = 12  # workers SIGKILLed at a random line, one after another
 _CRASH_SPAN = 4000  # the kill lands within the first this-many lines a worker executes
-_PACKAGES = ("checkpoint", "ledger", "adapters", "onceonly")
 _DOCUMENTS = (
     "Certificate of incorporation: ACME Tooling Ltd\n"
     "Tax ID: GB-123456789\n"
@@ -53,7 +53,7 @@ _DOCUMENTS = (
 )
 
 
-def main(db: str | None = None, crash_at: str = "approval", seed: int | None = None) -> int:
+def run(db: str | None = None, crash_at: str = "approval", seed: int | None = None) -> int:
     """Run the demo; returns the process exit code (0: every effect happened once)."""
     console = Console(highlight=False)
     work = Path(tempfile.mkdtemp(prefix="onceonly-demo-"))
@@ -99,7 +99,7 @@ def main(db: str | None = None, crash_at: str = "approval", seed: int | None = N
 
         def spawn(crash_after: int | None = None) -> subprocess.Popen[bytes]:
             log = open(work / f"worker-{len(workers) + 1}.log", "wb")  # noqa: SIM115
-            cmd = [sys.executable, "-m", "onceonly.demo", "--worker", url]
+            cmd = [sys.executable, "-m", "onceonly.demo._worker", url]
             if crash_after is not None:
                 cmd += ["--crash-after", str(crash_after), str(work / "crash.txt")]
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -283,68 +283,3 @@ def _wait(pred: Callable[[], bool], timeout_s: float, procs: list[subprocess.Pop
             break
         time.sleep(0.05)
     return pred()
-
-
-# -- the worker processes ---------------------------------------------------------------
-
-
-def _install_crash(after: int, where_file: str) -> None:
-    """SIGKILL this process at the ``after``-th line executed in onceonly's own code once
-    the worker drives a run (imports and idle polling are not counted)."""
-    roots = tuple(str(Path(__import__(p).__file__ or "").parent) + os.sep for p in _PACKAGES)
-    count = 0
-    armed = False
-
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal count, armed
-        code = frame.f_code
-        if not code.co_filename.startswith(roots):
-            return None
-        if not armed:
-            if event == "call" and code.co_name == "drive":
-                armed = True
-            else:
-                return tracer
-        if event == "line":
-            count += 1
-            if count >= after:
-                where = f"{Path(code.co_filename).name}:{frame.f_lineno} ({code.co_name})"
-                Path(where_file).write_text(where + "\n")
-                os.kill(os.getpid(), signal.SIGKILL)
-        return tracer
-
-    import threading  # noqa: PLC0415
-
-    threading.settrace(tracer)
-    sys.settrace(tracer)
-
-
-def _worker(argv: list[str]) -> int:
-    url = argv[0]
-    if len(argv) >= 3 and argv[1] == "--crash-after":
-        _install_crash(int(argv[2]), argv[3])
-    from .cli import cli  # noqa: PLC0415
-
-    cli.main(
-        [
-            "worker",
-            "--url",
-            url,
-            "--flows",
-            "onceonly.demo_flow:FLOWS",
-            "--owner",
-            "demo-worker",
-            "--poll-s",
-            "0.1",
-            "--lease-s",
-            "10",
-        ],
-        standalone_mode=False,
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
-        sys.exit(_worker(sys.argv[2:]))
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The crash harness's mode ``"exit"``: processes that ``os._exit`` at a failpoint.
 
-``python -m onceonly._crash_child`` is a small fork server. It imports onceonly (and each
+``python -m onceonly.testing._crash_child`` is a small fork server. It imports onceonly (and each
 scenario's flow module, once), opens nothing, and then for every request it reads (one
 JSON object per line on stdin) forks a child that runs the scenario with a failpoint
 handler which calls ``os._exit(137)`` at the k-th hit: the child dies without unwinding,
@@ -95,7 +95,7 @@ def _warm() -> None:  # pragma: no cover  (runs in the server)
     import contextlib  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
-    from .flow import Flow  # noqa: PLC0415
+    from onceonly.flow import Flow  # noqa: PLC0415
 
     with contextlib.suppress(ImportError):
         importlib.import_module("sqlalchemy.dialects.postgresql.psycopg")

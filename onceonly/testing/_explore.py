@@ -1,23 +1,6 @@
-"""Test your flows the way onceonly tests itself: provider fakes, a crash at every durable
-point, and a provider fault at every call.
-
-* :class:`HTTPProvider`: a fake HTTP API on 127.0.0.1 (Starlette under uvicorn, in a
-  thread) that behaves like a provider of class A (honours ``Idempotency-Key``), B
-  (answers lookups by key) or C (neither); checks the fencing token every guarded request
-  carries and counts stale ones; keeps a raw log of every request that reached it (the
-  oracle); and fails on request in each way a real provider does (:data:`FAULTS`).
-* :func:`crash_at_every_point`: runs a :class:`Scenario` (a flow and its initial state)
-  once to count the K failpoints it passes (:mod:`checkpoint.failpoints`), then for every
-  k = 1..K runs it again on a fresh database, crashes it at the k-th, resumes it as a
-  restarted worker would, and checks from the fakes' logs that nothing happened twice,
-  nothing was lost, a resume never re-acted, and the run finished.
-* :func:`fault_at_every_call`: the same checks with a provider failure injected at each
-  call instead of a crash.
-
-Both return a :class:`HarnessReport`; ``report.assert_ok()`` fails a test with what went
-wrong. See ``docs/howto-test-with-the-crash-harness.md``. The fakes need the ``demo``
-extra (httpx, Starlette, uvicorn).
-"""
+"""The explorers of :mod:`onceonly.testing`: :func:`crash_at_every_point` and
+:func:`fault_at_every_call`, their :class:`HarnessReport`, and the fork server of crash
+mode ``"exit"`` (import them from :mod:`onceonly.testing`)."""
 
 from __future__ import annotations
 
@@ -37,6 +20,7 @@ from typing import IO, Any
 
 from onceonly.checkpoint import Durability, RunStatus, Store
 from onceonly.checkpoint.failpoints import KNOWN_FAILPOINTS
+from onceonly.flow import Flow
 from onceonly.ledger import EffectStatus, Keyring, Ledger, Secret
 
 from . import _crash_child
@@ -45,7 +29,6 @@ from ._fakes import (
     Clock,
     Delivery,
     HTTPProvider,
-    PostgresDatabases,
     ProviderFake,
     SQLiteDatabases,
 )
@@ -60,22 +43,8 @@ from ._harness import (
     Scenario,
     run_once,
 )
-from .flow import Flow
 
-__all__ = [
-    "FAULTS",
-    "Clock",
-    "Crash",
-    "Delivery",
-    "HTTPProvider",
-    "HarnessReport",
-    "PostgresDatabases",
-    "ProviderFake",
-    "SQLiteDatabases",
-    "Scenario",
-    "crash_at_every_point",
-    "fault_at_every_call",
-]
+__all__ = ["HarnessReport", "crash_at_every_point", "fault_at_every_call"]
 
 
 @dataclass
@@ -175,7 +144,7 @@ def _flow_ref(flow: Flow) -> str:
 
 
 class _ForkServer:
-    """``python -m onceonly._crash_child``, started once per test process (and stopped at
+    """``python -m onceonly.testing._crash_child``, started once per test process (and stopped at
     its exit): it forks the children that crash."""
 
     _lock = threading.Lock()
@@ -189,7 +158,7 @@ class _ForkServer:
                 env = dict(os.environ)
                 env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "onceonly._crash_child"],
+                    [sys.executable, "-m", "onceonly.testing._crash_child"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,

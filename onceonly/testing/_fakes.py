@@ -1,7 +1,8 @@
 """Provider fakes and fresh databases for :mod:`onceonly.testing` (import them from there).
 
 :class:`HTTPProvider` is a fake HTTP API on 127.0.0.1 (Starlette under uvicorn, in a
-thread); it needs the ``demo`` extra (httpx, Starlette, uvicorn).
+thread, an :class:`~onceonly.testing.servers.AppServer`); it needs the ``testing`` extra
+(httpx, Starlette, uvicorn).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from onceonly.checkpoint import Store
 from onceonly.ledger import Keyring, Ledger, ProviderClass, Secret
+
+from .servers import AppServer, cut_response
 
 if TYPE_CHECKING:
     import httpx
@@ -181,18 +183,14 @@ class HTTPProvider:
         self._done: dict[str, Any] = {}  # provider key -> answer, forever (lookups)
         self._epochs: dict[str, int] = {}
         self._applied = 0
-        # IPPROTO_TCP: asyncio sets TCP_NODELAY only then (else Nagle adds ~40 ms a reply).
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
         self.app = Starlette(
             routes=[
                 Route("/lookup/{key}", self._lookup, methods=["GET"]),
                 Route("/{path:path}", self._write, methods=["POST", "PUT", "PATCH", "DELETE"]),
             ]
         )
+        self._http = AppServer(self.app, name="the fake provider")
+        self.url = self._http.url
 
     # -- what the adapter configures ----------------------------------------------------
     @property
@@ -272,33 +270,12 @@ class HTTPProvider:
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> HTTPProvider:
         """Serve (in a thread) until :meth:`stop`."""
-        import uvicorn  # noqa: PLC0415  (optional extra)
-
-        config = uvicorn.Config(
-            self.app,
-            log_config=None,
-            log_level="critical",
-            lifespan="off",
-            timeout_graceful_shutdown=2,
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the fake provider did not start")
-            time.sleep(0.01)
+        self._http.start()
         return self
 
     def stop(self) -> None:
         """Stop serving and close the socket."""
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(10)
-        self._sock.close()
+        self._http.stop()
 
     def __enter__(self) -> HTTPProvider:
         return self.start()
@@ -391,27 +368,8 @@ class HTTPProvider:
         if fault == "timeout":
             await asyncio.sleep(self.sleep_s)
         if fault in ("cut", "forget"):
-            return _cut()
+            return cut_response()
         return JSONResponse(response, 201)
-
-
-def _cut() -> Response:
-    """An answer that starts, then breaks the connection (the answer is lost)."""
-    from starlette.responses import Response  # noqa: PLC0415
-
-    class Cut(Response):
-        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 201,
-                    "headers": [(b"content-length", b"64")],
-                }
-            )
-            await send({"type": "http.response.body", "body": b'{"id":', "more_body": True})
-            raise ConnectionAbortedError("connection cut by the fake provider")
-
-    return Cut()
 
 
 # -- databases ---------------------------------------------------------------------------

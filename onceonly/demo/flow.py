@@ -12,7 +12,7 @@ worker killed anywhere (a deploy, an OOM kill) resumes without acting twice:
 4. ``create_vendor`` checks that what it is about to create is what was approved, then
    creates the vendor record in the ERP once.
 
-Run it with ``onceonly worker --flows onceonly.demo_flow:FLOWS``; the endpoints come from
+Run it with ``onceonly worker --flows onceonly.demo.flow:FLOWS``; the endpoints come from
 the run's ``services`` state channel.
 """
 
@@ -26,9 +26,8 @@ import httpx
 
 from onceonly.adapters import GuardedSMTP, IMAPMailbox, SMTPServer
 from onceonly.adapters.http import GuardedHTTP
-
-from .context import StepContext
-from .flow import Flow, Transition
+from onceonly.context import StepContext
+from onceonly.flow import Flow, Transition
 
 __all__ = ["FLOWS", "onboarding"]
 

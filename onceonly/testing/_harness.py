@@ -1,6 +1,6 @@
 """How :mod:`onceonly.testing` runs a scenario: one worker's view of the database, driven
 to the run's end, with a failpoint handler armed. Also what a crash child process runs
-(:mod:`onceonly._crash_child`)."""
+(:mod:`onceonly.testing._crash_child`)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Any
 
 from onceonly.checkpoint import Durability, RunStatus, Store, WaitKind, WaitStatus
 from onceonly.checkpoint.failpoints import armed
+from onceonly.flow import Flow
 from onceonly.ledger import Keyring, Ledger, Secret
+from onceonly.operator import Operator
+from onceonly.runtime import META, Runtime
 
 from ._fakes import Clock
-from .flow import Flow
-from .operator import Operator
-from .runtime import META, Runtime
 
 __all__ = ["Counter", "Crash", "Env", "Outcome", "Scenario", "drive", "run_once"]
 
