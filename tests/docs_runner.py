@@ -2,8 +2,8 @@
 
 A page is cut into fenced blocks. In page order:
 
-- a block right after ``<!-- not run: REASON -->`` is skipped (with the ``text`` block
-  that shows its output, if any); the reason must not be empty;
+- a block right after the visible line ``*(Not run by the tests: REASON.)*`` is skipped
+  (with the ``text`` block that shows its output, if any); the reason must not be empty;
 - a ``python`` block right after ``<!-- file: NAME -->`` is written to ``NAME`` in the
   page's working directory (the page runs it later, e.g. ``python NAME``);
 - any other ``python`` block runs in the page's Python session: one interpreter per page,
@@ -70,7 +70,12 @@ BLOCK_TIMEOUT_S = 120.0
 
 SHELL_LANGS = frozenset({"sh", "bash", "shell", "console"})
 _FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w-]*)\s*$")
-_MARKER = re.compile(r"^\s*<!--\s*(?P<kind>not run|file|output)\s*:\s*(?P<value>.*?)\s*-->\s*$")
+_HIDDEN_SKIP = re.compile(r"^\s*<!--\s*not run\b")
+_MARKER = re.compile(
+    r"^\s*(?:<!--\s*(?P<kind>file|output)\s*:\s*(?P<value>.*?)\s*-->"
+    # The one a reader sees: a block the tests do not run says so on the page.
+    r"|\*\((?P<skip>Not run by the tests)(?::\s*(?P<reason>.*?))?\.?\)\*)\s*$"
+)
 
 
 class DocError(AssertionError):
@@ -118,8 +123,16 @@ def parse_page(path: Path) -> list[Block]:
         while k >= 0 and not lines[k].strip():
             k -= 1
         marker = None
+        if k >= 0 and _HIDDEN_SKIP.match(lines[k]):
+            raise DocError(
+                f"{path.name}:{k + 1}: a block the tests skip says so visibly: "
+                f"*(Not run by the tests: REASON.)*"
+            )
         if k >= 0 and (mm := _MARKER.match(lines[k])):
-            marker = (mm.group("kind"), mm.group("value"))
+            if mm.group("skip"):
+                marker = ("not run", mm.group("reason") or "")
+            else:
+                marker = (mm.group("kind"), mm.group("value"))
             if marker[0] == "not run" and not marker[1]:
                 raise DocError(f"{path.name}:{k + 1}: a `not run` marker needs a reason")
         blocks.append(

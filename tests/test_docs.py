@@ -7,8 +7,9 @@ diff.
 
 ``ONCEONLY_DOCS_REGENERATE=1`` rewrites the outputs a page shows with what its snippets
 print now, in place (after a change of the CLI's tables, say); review the diff, then run
-again without it. Every block a ``<!-- not run: REASON -->`` marker skips is listed in the
-test's ``docs`` property and counted by ``test_not_run_blocks_are_few_and_say_why``.
+again without it. Every block a visible ``*(Not run by the tests: REASON.)*`` line skips
+is listed in the test's ``docs`` property and counted by
+``test_not_run_blocks_are_few_and_say_why``.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ def test_session_env_and_files_carry_over(tmp_path: Path) -> None:
         "```sh\npython hello.py\n```\n\n```text\nhi\n```\n\n"
         "```python\nimport os\nprint(os.getcwd().endswith('sub'), os.environ['GREETING'])\n```"
         "\n\n```text\nTrue hi\n```\n\n"
-        "<!-- not run: it would fail -->\n```sh\nfalse\n```\n\n```text\nnever compared\n```\n",
+        "*(Not run by the tests: it would fail.)*\n```sh\nfalse\n```\n\n"
+        "```text\nnever compared\n```\n",
     )
     stats = run_page(page, tmp_path / "work")
     assert (stats.run, stats.files, stats.compared, stats.skipped) == (3, 1, 2, 2)
@@ -209,7 +211,7 @@ def test_bash_and_shell_blocks_run(tmp_path: Path) -> None:
 
 
 def test_not_run_needs_a_reason(tmp_path: Path) -> None:
-    page = _page(tmp_path, "<!-- not run: -->\n```sh\nfalse\n```\n")
+    page = _page(tmp_path, "*(Not run by the tests.)*\n```sh\nfalse\n```\n")
     with pytest.raises(DocError, match="needs a reason"):
         run_page(page, tmp_path / "work")
 
@@ -227,3 +229,10 @@ def test_wrong_signature_fails(tmp_path: Path) -> None:
     (block,) = parse_page(page)
     with pytest.raises(DocError, match="not the code's"):
         check_signature(block, "Store")
+
+
+def test_a_hidden_skip_marker_is_refused(tmp_path: Path) -> None:
+    """A reader must see which blocks the tests do not run: an HTML comment hides it."""
+    page = _page(tmp_path, "<!-- not run: hidden -->\n```sh\nfalse\n```\n")
+    with pytest.raises(DocError, match="says so visibly"):
+        run_page(page, tmp_path / "work")
