@@ -21,16 +21,98 @@ recomputed after an edit. On top of that, in the transaction of every claim:
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import blake3
 
 from onceonly.checkpoint import RowKeys
 from onceonly.checkpoint.errors import CorruptRecord
 
-from .audit import GENESIS, row_digest
+from ._rows import Row
+from ._state import LedgerState
 from .errors import LEDGER_HINT, StoreRolledBack
 
 __all__ = ["StoreRolledBack"]  # re-exported from .errors for the ledger's own use
+
+# How long a chain counted whole stays trusted below its head in this process before a
+# claim counts it in full again (a delete made while a worker runs is caught this late).
+_RECOUNT_S = 1.0
+
+GENESIS = bytes(32)
+
+# Operational fields (the lease, timestamps) change without an event and are excluded.
+_DIGEST_FIELDS = (
+    "key_id",
+    "tenant",
+    "run_id",
+    "step_id",
+    "effect",
+    "fingerprint",
+    "provider_key",
+    "provider_class",
+    "window_s",
+    "status",
+    "epoch",
+    "attempts",
+    "outcome_class",
+    "subject",
+    "secret_id",
+    "chain",
+    "args_ct",
+    "result_ct",
+    "error_ct",
+    "first_sent_at",
+)
+
+
+_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+
+
+def _parts(values: Sequence[Any]) -> bytes:
+    # Canonical and unambiguous: a JSON array keeps types apart ("1" vs 1 vs null), and
+    # bytes are tagged hex strings.
+    return _DUMPS(
+        [
+            {"b": bytes(v).hex()} if isinstance(v, bytes | bytearray | memoryview) else v
+            for v in values
+        ]
+    ).encode("utf-8")
+
+
+def row_digest(row: Mapping[str, Any]) -> bytes:
+    """Digest of an effect row's audited fields."""
+    return blake3.blake3(_parts([row[f] for f in _DIGEST_FIELDS])).digest(length=16)
+
+
+def event_hash(
+    prev: bytes,
+    chain: str,
+    seq: int,
+    key_id: str,
+    event: str,
+    epoch: int,
+    status: str,
+    actor: str,
+    detail: str,
+    digest: bytes,
+    at: float,
+) -> bytes:
+    """Hash of one audit event, chained to ``prev``."""
+    return hash_of((chain, seq, key_id, event, epoch, status, actor, detail, digest, at, prev))
+
+
+def hash_of(ev: Sequence[Any]) -> bytes:
+    """An event's hash recomputed from its fields (``EVENT_COLS`` order, up to
+    ``prev_hash``)."""
+    (chain, seq, key_id, event, epoch, status, actor, detail, digest, at, prev) = ev[:11]
+    body = _parts(
+        [chain, int(seq), key_id, event, int(epoch), status, actor, detail, digest, float(at)]
+    )
+    return blake3.blake3(bytes(prev) + body).digest()
+
 
 EVENT_COLS = (
     "chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, prev_hash, hash"
@@ -201,3 +283,128 @@ def verify_chain(
             f"events deleted or the head moved"
         )
     return problems
+
+
+class IntegrityMixin(LedgerState):
+    """The checks a claim makes before it acts, and the seals rows are checked against."""
+
+    def _check_row(self, cur: Any, row: Row) -> None:
+        """Refuse a row that fails its seal, or differs from the state its last audit
+        event recorded, or whose last event fails its MAC.
+
+        Raises:
+            CorruptRecord: The row was edited (its unkeyed digest recomputed or not),
+                forged, rolled back alone, or moved to another run's chain.
+        """
+        q = self._q
+        if self._keys is not None and not self._keys.valid(
+            "effects", effect_parts(row), row.get("seal")
+        ):
+            raise CorruptRecord(
+                f"effect {row['key_id']} fails its keyed seal (edited, forged or written "
+                f"without the keyring); it is not acted on. Run `onceonly audit verify`",
+                run_id=row["run_id"],
+                hint=LEDGER_HINT,
+            )
+        cur.execute(
+            f"SELECT {EVENT_COLS}, mac FROM oo_audit WHERE chain = {q} AND key_id = {q} "
+            f"ORDER BY seq DESC LIMIT 1",
+            (row["chain"], row["key_id"]),
+        )
+        found = cur.fetchone()
+        if (
+            found is None
+            or bytes(found[8]) != row_digest(row)
+            or not check_event(self._keys, found, found[12])
+        ):
+            raise CorruptRecord(
+                f"effect {row['key_id']} differs from its audit trail (edited, forged or "
+                f"moved); it is not acted on. Run `onceonly audit verify` and resolve it by hand",
+                run_id=row["run_id"],
+                hint=LEDGER_HINT,
+            )
+
+    def _check_chain(self, cur: Any, chain: str) -> None:
+        """Before a claim acts: the chain is whole up to its sealed head (what was
+        appended since this process last checked it), and not behind the witness.
+
+        Raises:
+            CorruptRecord: Events are missing, the head is missing or was replaced.
+            StoreRolledBack: The chain is behind its witness.
+        """
+        seen, counted = self._verified.get(chain, (0, 0.0))
+        now = time.monotonic()
+        if now - counted > _RECOUNT_S:
+            seen, counted = 0, now  # count the whole chain again now and then
+        head = whole_since(cur, self._q, self._keys, chain, seen)
+        self._verified[chain] = (head, counted)
+        if self.witness is not None:
+            seen = self.witness.heads.get(chain, 0)
+            if head < seen:
+                raise StoreRolledBack(chain, head, seen, self.witness.path)
+
+    def _witness_claim(self, chain: str) -> None:
+        """Advance the witness to the chain's head, durably, before the claim acts."""
+        if self.witness is not None:
+            head = self._heads.get(chain)
+            if head is not None:
+                self.witness.advance(chain, head[0])
+
+    def _check_absent(self, cur: Any, chain: str, ids: list[str]) -> None:
+        """Refuse to claim a key whose row is gone while its audit events remain (a
+        deleted row would otherwise let the effect happen again); a row removed by
+        retention ends with a ``retired`` event.
+
+        Raises:
+            CorruptRecord: The entry's row was deleted.
+        """
+        q = self._q
+        marks = ", ".join([q] * len(ids))
+        cur.execute(
+            f"SELECT key_id, event FROM oo_audit WHERE chain = {q} AND key_id IN ({marks}) "
+            f"ORDER BY seq DESC LIMIT 1",
+            (chain, *ids),
+        )
+        found = cur.fetchone()
+        if found is not None and found[1] != "retired":
+            # Under READ COMMITTED (PostgreSQL) a concurrent claimer may have committed its
+            # row and first event between our read of the row and this read of the events:
+            # its row is visible now (they commit together), and the insert below then
+            # loses the race as usual. Only a row that is still missing was deleted.
+            cur.execute(f"SELECT 1 FROM oo_effects WHERE key_id IN ({marks})", tuple(ids))
+            if cur.fetchone() is not None:
+                return
+            raise CorruptRecord(
+                f"effect {found[0]} has audit events but no row (deleted); it is not acted "
+                f"on. Run `onceonly audit verify` and resolve it by hand",
+                run_id=None if chain.startswith("tenant:") else chain,
+                hint=LEDGER_HINT,
+            )
+
+    def _audited_rows(self, cur: Any, rows: list[Row]) -> list[Row]:
+        """The rows that match their chains' last audited states, in chains that verify
+        whole (one scan per chain: every event's MAC and link, the sealed head); the
+        others are left out, to be refused one by one when a claim reads them."""
+        last: dict[tuple[str, str], bytes] = {}
+        q = self._q
+        for chain in sorted({r["chain"] for r in rows}):
+            cur.execute(
+                f"SELECT {EVENT_COLS}, mac FROM oo_audit WHERE chain = {q} ORDER BY seq",
+                (chain,),
+            )
+            events = cur.fetchall()
+            try:
+                head = head_of(cur, q, self._keys, chain)
+            except CorruptRecord:
+                continue
+            if verify_chain(self._keys, chain, events, head):
+                continue  # not trusted: every claim in it goes through the checks
+            self._verified[chain] = (0 if head is None else head[0], time.monotonic())
+            for ev in events:
+                last[(chain, str(ev[2]))] = bytes(ev[8])
+        return [
+            r
+            for r in rows
+            if last.get((r["chain"], r["key_id"])) == row_digest(r)
+            and (self._keys is None or self._keys.valid("effects", effect_parts(r), r.get("seal")))
+        ]

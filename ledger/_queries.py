@@ -1,7 +1,6 @@
 """Reading the ledger: entries, payloads, audit events, verification, retention.
 
-Mixed into :class:`ledger.Ledger`; kept apart so the state machine in ``ledger.py`` reads
-on its own.
+Mixed into :class:`ledger.Ledger`; kept apart so the state machine reads on its own.
 """
 
 from __future__ import annotations
@@ -9,14 +8,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from onceonly.checkpoint import Codec, RowKeys, Store
-from onceonly.checkpoint._witness import Witness
+from onceonly.checkpoint import RowKeys
 from onceonly.checkpoint.errors import CorruptRecord
 
+from ._integrity import effect_parts
 from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
+from ._transitions import TransitionMixin
 from .audit import AuditReport, export_witness, verify_store
 from .crypto import Sealer
 from .errors import PayloadErased, UnknownEffect
@@ -28,8 +28,6 @@ __all__: list[str] = []
 def _flagged(record: EffectRecord, keys: RowKeys | None, row: Row) -> EffectRecord:
     """The record, flagged ``edited`` / ``unsealed`` when its row fails its seal, or
     ``unverified`` without keys (a read-only view)."""
-    from ._integrity import effect_parts  # noqa: PLC0415  (_integrity imports audit)
-
     if keys is None:
         return dataclasses.replace(record, integrity="unverified")
     seal = row.get("seal")
@@ -40,21 +38,8 @@ def _flagged(record: EffectRecord, keys: RowKeys | None, row: Row) -> EffectReco
     return record
 
 
-class QueryMixin:
-    """Read-side methods of the ledger (the state machine provides the rest)."""
-
-    store: Store
-    codec: Codec
-    _q: str
-    _terminal: dict[str, Row]
-    _clock: Callable[[], float]
-    _open: Callable[[Row, str], Any]
-    _cipher: Callable[[str], Any]
-    _write: Callable[..., Any]
-    _append: Callable[[Any, Row, str, str, str], None]
-    _keys: RowKeys | None
-    _check_row: Callable[[Any, Row], None]
-    witness: Witness | None
+class QueryMixin(TransitionMixin):
+    """Read-side methods of the ledger, and retention (which appends ``retired`` events)."""
 
     def get(self, key_id: str) -> EffectRecord:
         """The entry with this key id, flagged if it does not verify (its seal, and its

@@ -1,4 +1,6 @@
-"""The hash-chained audit trail: event hashing, row digests, verification, witnesses.
+"""The hash-chained audit trail as an operator checks it: whole-store verification and
+witness files (event hashes and row digests are made in ``_integrity``, where the ledger
+checks them as it acts).
 
 Every ledger transition appends an event to its run's chain (effects outside a run use
 the chain ``tenant:<tenant>``), in the same transaction as the transition. An event's
@@ -11,7 +13,7 @@ the whole store is detected too.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,71 +22,22 @@ import blake3
 from onceonly.checkpoint import Store
 from onceonly.checkpoint._witness import read_witness
 
+from ._integrity import (
+    EVENT_COLS,
+    GENESIS,
+    effect_parts,
+    event_hash,
+    hash_of,
+    head_parts,
+    row_digest,
+    verify_chain,
+)
 from ._rows import SELECT as _SELECT_EFFECTS
 from ._rows import effect_row as _effect_row
 
-GENESIS = bytes(32)
-
-# Operational fields (the lease, timestamps) change without an event and are excluded.
-_DIGEST_FIELDS = (
-    "key_id",
-    "tenant",
-    "run_id",
-    "step_id",
-    "effect",
-    "fingerprint",
-    "provider_key",
-    "provider_class",
-    "window_s",
-    "status",
-    "epoch",
-    "attempts",
-    "outcome_class",
-    "subject",
-    "secret_id",
-    "chain",
-    "args_ct",
-    "result_ct",
-    "error_ct",
-    "first_sent_at",
-)
-
-
-_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
-
-
-def _parts(values: Sequence[Any]) -> bytes:
-    # Canonical and unambiguous: a JSON array keeps types apart ("1" vs 1 vs null), and
-    # bytes are tagged hex strings.
-    return _DUMPS(
-        [
-            {"b": bytes(v).hex()} if isinstance(v, bytes | bytearray | memoryview) else v
-            for v in values
-        ]
-    ).encode("utf-8")
-
-
-def row_digest(row: Mapping[str, Any]) -> bytes:
-    """Digest of an effect row's audited fields."""
-    return blake3.blake3(_parts([row[f] for f in _DIGEST_FIELDS])).digest(length=16)
-
-
-def event_hash(
-    prev: bytes,
-    chain: str,
-    seq: int,
-    key_id: str,
-    event: str,
-    epoch: int,
-    status: str,
-    actor: str,
-    detail: str,
-    digest: bytes,
-    at: float,
-) -> bytes:
-    """Hash of one audit event, chained to ``prev``."""
-    body = _parts([chain, seq, key_id, event, epoch, status, actor, detail, digest, float(at)])
-    return blake3.blake3(prev + body).digest()
+# GENESIS, event_hash and row_digest are defined with the checks that use them
+# (``_integrity``), and stay importable from here.
+__all__ = ["GENESIS", "AuditReport", "event_hash", "export_witness", "row_digest", "verify_store"]
 
 
 @dataclass
@@ -128,13 +81,6 @@ def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
     effect row (its keyed seal and its last audited state), blob, checkpoint, run and
     wait of a store. Without integrity keys on the store, only what unkeyed digests can
     show is checked."""
-    from ._integrity import (  # noqa: PLC0415  (_integrity imports this module)
-        EVENT_COLS,
-        effect_parts,
-        head_parts,
-        verify_chain,
-    )
-
     report = AuditReport()
     retired: set[str] = set()
     keys = store.integrity
@@ -160,32 +106,16 @@ def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
         for chain in sorted(set(heads) | set(by_chain)):
             evs = by_chain.get(chain, [])
             report.problems.extend(verify_chain(keys, chain, evs, heads.get(chain)))
-            prev = GENESIS
             for ev in evs:
                 report.events += 1
-                (c, seq, key_id, event, epoch, status, actor, detail, digest, at, _p, h) = ev[:12]
-                calc = event_hash(
-                    bytes(ev[10]),
-                    c,
-                    int(seq),
-                    key_id,
-                    event,
-                    int(epoch),
-                    status,
-                    actor,
-                    detail,
-                    bytes(digest),
-                    float(at),
-                )
-                if calc != bytes(h):
+                c, seq, key_id, event, digest, h = ev[0], ev[1], ev[2], ev[3], ev[8], ev[11]
+                if hash_of(ev) != bytes(h):
                     report.problems.append(f"chain {c!r} event {seq}: edited (hash mismatch)")
-                prev = bytes(h)
                 last[key_id] = (c, bytes(digest), event)
                 if event == "retired":
                     retired.add(key_id)
                 elif key_id in retired:
                     retired.discard(key_id)
-            del prev
         seen = set()
         for row in rows:
             report.effects += 1
@@ -228,8 +158,6 @@ def export_witness(store: Store, path: str, now: float) -> dict[str, Any]:
         return {c: [int(s), bytes(h).hex()] for c, s, h in cur.fetchall()}
 
     heads = store.read(scan)
-    import blake3  # noqa: PLC0415
-
     digest = blake3.blake3(json.dumps(heads, sort_keys=True).encode()).hexdigest()
     doc = {"version": 1, "created_at": now, "heads": heads, "digest": digest}
     with open(path, "w", encoding="utf-8") as fh:

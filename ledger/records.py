@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from onceonly.checkpoint.errors import ConfigurationError
+from onceonly.checkpoint.errors import ConfigurationError, CorruptRecord
 
 __all__ = [
     "UNKNOWN_RESULT",
@@ -179,8 +179,6 @@ class Replay:
     @property
     def record(self) -> EffectRecord:
         """The ledger entry this result was recorded in."""
-        from ._rows import effect_record  # noqa: PLC0415  (_rows imports this module)
-
         return effect_record(dict(self.row))
 
 
@@ -222,3 +220,37 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         if self.older_than_s < 0:
             raise ConfigurationError("RetentionPolicy.older_than_s must be >= 0")
+
+
+def effect_record(row: Mapping[str, Any]) -> EffectRecord:
+    """The public record of a row.
+
+    Raises:
+        CorruptRecord: A column holds a value no version of onceonly writes.
+    """
+    try:
+        outcome = row["outcome_class"]
+        return EffectRecord(
+            key_id=row["key_id"],
+            tenant=row["tenant"],
+            run_id=row["run_id"],
+            step_id=row["step_id"],
+            effect=row["effect"],
+            fingerprint=row["fingerprint"],
+            provider_key=row["provider_key"],
+            provider_class=ProviderClass(row["provider_class"]),
+            window_s=row["window_s"],
+            status=EffectStatus(row["status"]),
+            epoch=int(row["epoch"]),
+            lease_owner=row["lease_owner"],
+            lease_expires_at=row["lease_expires_at"],
+            attempts=int(row["attempts"]),
+            outcome_class=None if outcome is None else OutcomeClass(outcome),
+            subject=row["subject"],
+            secret_id=row["secret_id"],
+            first_sent_at=row["first_sent_at"],
+            created_at=float(row["created_at"]),
+            updated_at=float(row["updated_at"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptRecord(f"effect row {row.get('key_id')!r} is malformed ({exc})") from exc

@@ -260,7 +260,7 @@ def _scenario_exit_mode_steps(m: RuntimeModel) -> None:
 
 
 def _no_fence(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("onceonly.ledger.ledger.check_fence", lambda *a, **k: None)
+    monkeypatch.setattr("onceonly.ledger._claims.check_fence", lambda *a, **k: None)
 
 
 def _wait_without_visit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,7 +55,7 @@ import pytest
 
 from onceonly.checkpoint.failpoints import KNOWN_FAILPOINTS
 from onceonly.ledger import Ledger
-from onceonly.ledger.ledger import _Outcome
+from onceonly.ledger._claims import _Outcome
 from onceonly.ledger.records import EffectStatus
 from onceonly.testing import (
     Clock,

@@ -755,7 +755,8 @@ def test_control_a_ledger_that_does_not_check_its_chain_is_caught(
         found = cur.fetchone()
         return None if found is None else (int(found[0]), bytes(found[1]))
 
-    monkeypatch.setattr("onceonly.ledger.ledger.head_of", last_event)
+    for home in ("_transitions", "_integrity"):  # appending, and prefetch's scan
+        monkeypatch.setattr(f"onceonly.ledger.{home}.head_of", last_event)
     monkeypatch.setattr(Ledger, "_advance_head", lambda self, cur, chain, old, seq, h: None)
     monkeypatch.setattr(Ledger, "_check_chain", lambda self, cur, chain: None)
     monkeypatch.setattr(Ledger, "_check_absent", lambda self, cur, chain, ids: None)
