@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import glob
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -147,12 +148,24 @@ def test_the_editable_install_serves_one_namespace(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_wheel_holds_one_top_level_package(tmp_path: Path) -> None:
+    # From a copy: setuptools reuses build/ in the source tree, and files moved away
+    # since an earlier build would still be in it.
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT,
+        src,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "*.egg-info", "__pycache__", "reports", ".*_cache"
+        ),
+    )
+    out = tmp_path / "dist"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(src)],
         check=True,
         capture_output=True,
     )
-    (wheel,) = glob.glob(str(tmp_path / "*.whl"))
+    (wheel,) = glob.glob(str(out / "*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"onceonly", "onceonly-0.1.0.dist-info"}
     for layer in LAYERS:
