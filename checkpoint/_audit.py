@@ -7,10 +7,7 @@ from typing import Any
 from . import _delta
 from ._retention import _Retention
 from ._sql import _RUN_COLS, _ckpt_parts, _run_parts
-from .errors import (
-    ConfigurationError,
-    CorruptRecord,
-)
+from .errors import ConfigurationError, CorruptRecord
 from .integrity import UNKEYED_LIMITS
 from .integrity import _check_seal as check
 from .waits import _COLS as WAIT_COLS

@@ -7,15 +7,10 @@ from typing import Any
 from sqlalchemy import delete, exists, text
 
 from . import _delta, _schema
-from ._engine import (
-    begin,
-    translate,
-)
+from ._engine import begin, translate
 from ._retry import retried
 from ._runs import _Runs
-from .errors import (
-    CorruptRecord,
-)
+from .errors import CorruptRecord
 
 
 class _Blobs(_Runs):

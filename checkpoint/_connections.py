@@ -12,34 +12,15 @@ from typing import Any, TypeVar
 
 from sqlalchemy.engine import Engine
 
-from ._engine import (
-    DRIVER_ERRORS,
-    READ_ONLY,
-    lost_commit,
-    translate,
-)
+from ._engine import DRIVER_ERRORS, READ_ONLY, lost_commit, translate
 from ._retry import DatabaseRetry, retried
 from ._sql import _SQL
-from ._state import (
-    _HEAD_CACHE,
-    _Barrier,
-    _Head,
-    _Pending,
-)
+from ._state import _HEAD_CACHE, _Barrier, _Head, _Pending
 from ._witness import Witness
 from .codec import Codec
-from .errors import (
-    AsyncWriteError,
-    CheckpointLost,
-    ConfigurationError,
-    RunRolledBack,
-)
+from .errors import AsyncWriteError, CheckpointLost, ConfigurationError, RunRolledBack
 from .integrity import RowKeys
-from .records import (
-    Durability,
-    KeyframePolicy,
-    StateMigrations,
-)
+from .records import Durability, KeyframePolicy, StateMigrations
 
 T = TypeVar("T")
 

@@ -8,18 +8,9 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from . import _schema
-from ._engine import (
-    make_engine,
-    open_checks,
-    translate,
-)
-from .errors import (
-    StateVersionError,
-)
-from .records import (
-    Snapshot,
-    StateMigrations,
-)
+from ._engine import make_engine, open_checks, translate
+from .errors import StateVersionError
+from .records import Snapshot, StateMigrations
 
 
 def _upgrade(run_id: str, snap: Snapshot, mig: StateMigrations) -> dict[str, Any]:

@@ -10,29 +10,14 @@ from sqlalchemy import select
 
 from . import _delta, _schema
 from ._connections import _RawTxn
-from ._engine import (
-    translate,
-)
+from ._engine import translate
 from ._retry import retried
-from ._sql import _RUN_COLS, _ckpt_parts
-from ._state import (
-    _KEYFRAME,
-    _Head,
-)
+from ._sql import _KEYFRAME, _RUN_COLS, _row_info, _row_key, _row_parts
+from ._state import _Head
 from ._writer import _Writer
-from .errors import (
-    CheckpointNotFound,
-    ConfigurationError,
-    CorruptRecord,
-    RunNotFound,
-)
+from .errors import CheckpointNotFound, ConfigurationError, CorruptRecord, RunNotFound
 from .integrity import _check_seal as check
-from .records import (
-    CheckpointInfo,
-    Run,
-    Snapshot,
-    Source,
-)
+from .records import CheckpointInfo, Run, Snapshot
 
 
 class _Reads(_Writer):
@@ -147,18 +132,7 @@ class _Reads(_Writer):
             raise CorruptRecord(
                 f"checkpoint body is malformed ({exc!r})", run_id=run_id, seq=target
             ) from exc
-        last = rows[-1]
-        info = CheckpointInfo(
-            run_id=run_id,
-            seq=int(last.seq),
-            step=last.step,
-            source=_source(last.source, run_id, int(last.seq)),
-            schema_version=int(last.schema_version),
-            created_at=float(last.created_at),
-            keyframe=last.kind == _KEYFRAME,
-            keyframe_seq=int(last.keyframe_seq),
-            digest=bytes(last.digest),
-        )
+        info = _row_info(run_id, rows[-1])
         # Canonical (uncompressed) sizes, as the writer counts them: the keyframe policy
         # behaves the same whether or not the process was restarted.
         kf_bytes = raw_sizes[0] + sum(blob_sizes.values())
@@ -180,30 +154,12 @@ class _Reads(_Writer):
         anything of it is decoded; then decode all bodies in one pass."""
         raws = []
         for row in rows:
-            check(
-                self.integrity,
-                "checkpoints",
-                row.seal_parts(run_id),
-                None if row.seal is None else bytes(row.seal),
-                what=f"checkpoint {row.seq} of run {run_id!r}",
-                run_id=run_id,
-                seq=row.seq,
-            )
+            self._check_seal(run_id, row)
             try:
                 raw = _delta.unpack(row.body)
             except CorruptRecord as exc:
                 raise CorruptRecord(exc.detail, run_id=run_id, seq=row.seq) from exc
-            digest = _delta.row_digest(
-                run_id,
-                row.seq,
-                row.kind,
-                row.keyframe_seq,
-                row.schema_version,
-                row.step,
-                row.source,
-                row.created_at,
-                raw,
-            )
+            digest = _delta.row_digest(run_id, *_row_key(row), raw)
             if digest != bytes(row.digest):
                 raise CorruptRecord(
                     "checkpoint row does not match its digest (edited, truncated or moved)",
@@ -224,6 +180,23 @@ class _Reads(_Writer):
             if not isinstance(body, dict) or not (("k" in body) ^ ("d" in body)):
                 raise CorruptRecord("checkpoint body has no state", run_id=run_id, seq=row.seq)
         return list(bodies), [len(raw) for raw in raws]
+
+    def _check_seal(self, run_id: str, row: Any) -> None:
+        """Check checkpoint ``row`` (a :class:`_Row`, or one without its body) against
+        its seal.
+
+        Raises:
+            CorruptRecord: It fails its seal (or has none, with integrity keys).
+        """
+        check(
+            self.integrity,
+            "checkpoints",
+            _row_parts(run_id, row),
+            None if row.seal is None else bytes(row.seal),
+            what=f"checkpoint {row.seq} of run {run_id!r}",
+            run_id=run_id,
+            seq=int(row.seq),
+        )
 
     def _chunk_fetcher(self, run_id: str) -> _delta.ChunkFetcher:
         def fetch(hexes: Sequence[str]) -> dict[str, list[Any]]:
@@ -272,39 +245,8 @@ class _Reads(_Writer):
                 if conn.execute(select(r.c.run_id).where(r.c.run_id == run_id)).first() is None:
                     raise RunNotFound(run_id)
         for row in rows:
-            check(
-                self.integrity,
-                "checkpoints",
-                _ckpt_parts(
-                    run_id,
-                    row.seq,
-                    row.kind,
-                    row.keyframe_seq,
-                    row.schema_version,
-                    row.step,
-                    row.source,
-                    row.created_at,
-                    bytes(row.digest),
-                ),
-                None if row.seal is None else bytes(row.seal),
-                what=f"checkpoint {row.seq} of run {run_id!r}",
-                run_id=run_id,
-                seq=int(row.seq),
-            )
-        infos = [
-            CheckpointInfo(
-                run_id=run_id,
-                seq=int(row.seq),
-                step=row.step,
-                source=_source(row.source, run_id, int(row.seq)),
-                schema_version=int(row.schema_version),
-                created_at=float(row.created_at),
-                keyframe=row.kind == _KEYFRAME,
-                keyframe_seq=int(row.keyframe_seq),
-                digest=bytes(row.digest),
-            )
-            for row in rows
-        ]
+            self._check_seal(run_id, row)
+        infos = [_row_info(run_id, row) for row in rows]
         infos.sort(key=lambda i: i.seq)
         return infos
 
@@ -321,29 +263,6 @@ class _Row:
     body: bytes
     digest: bytes
     seal: bytes | None = None
-
-    def seal_parts(self, run_id: str) -> list[object]:
-        return _ckpt_parts(
-            run_id,
-            self.seq,
-            self.kind,
-            self.keyframe_seq,
-            self.schema_version,
-            self.step,
-            self.source,
-            self.created_at,
-            self.digest,
-        )
-
-
-def _source(value: str, run_id: str, seq: int) -> Source:
-    """A stored checkpoint's source; a value no writer produces is a damaged row."""
-    try:
-        return Source(value)
-    except ValueError:
-        raise CorruptRecord(
-            f"checkpoint {seq} has an unknown source {value!r} (edited)", run_id=run_id, seq=seq
-        ) from None
 
 
 def _check_nothing_above(run_id: str, head: int | None, top: int | None) -> None:

@@ -8,20 +8,12 @@ import time
 from sqlalchemy import delete, select
 
 from . import _schema
-from ._engine import (
-    translate,
-)
+from ._engine import translate
 from ._retry import retried
+from ._runs import _handoff_fields, _run_fields
 from ._writes import _Writes
-from .errors import (
-    CheckpointNotFound,
-)
-from .records import (
-    RetentionPolicy,
-    RetentionReport,
-    RunStatus,
-    Snapshot,
-)
+from .errors import CheckpointNotFound
+from .records import RetentionPolicy, RetentionReport, RunStatus, Snapshot
 
 
 class _Retention(_Writes):
@@ -131,18 +123,8 @@ class _Retention(_Writes):
             snap = None
         record = {
             "run": {
-                "run_id": run.run_id,
-                "flow": run.flow,
-                "code_version": run.code_version,
-                "state_version": run.state_version,
-                "status": run.status.value,
-                "next_step": run.next_step,
-                "handoff": {
-                    "goal": run.handoff.goal,
-                    "done": list(run.handoff.done),
-                    "next": list(run.handoff.next),
-                    "ruled_out": list(run.handoff.ruled_out),
-                },
+                **_run_fields(run),
+                "handoff": _handoff_fields(run.handoff),
                 "created_at": run.created_at,
                 "updated_at": run.updated_at,
             },

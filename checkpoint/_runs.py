@@ -15,15 +15,10 @@ from sqlalchemy import exc as sa_exc
 
 from . import _schema
 from ._connections import _Connections, _RawTxn
-from ._engine import (
-    begin,
-    translate,
-)
+from ._engine import begin, translate
 from ._retry import retried
 from ._sql import _RUN_COLS, _run_parts
-from ._state import (
-    _UNSET,
-)
+from ._state import _UNSET
 from ._witness import Witness
 from .errors import (
     ConcurrentWrite,
@@ -41,11 +36,7 @@ from .integrity import RowKeys
 from .integrity import _check_seal as check
 from .integrity import _encode as _encode_parts
 from .integrity import _make_seal as seal
-from .records import (
-    Handoff,
-    Run,
-    RunStatus,
-)
+from .records import Handoff, Run, RunStatus
 
 log = logging.getLogger("onceonly.store")
 
@@ -143,23 +134,9 @@ class _Runs(_Connections):
         self._check_open()
         rid = run_id or uuid.uuid4().hex
         now = time.time()
-        values = {
-            "run_id": rid,
-            "flow": flow,
-            "code_version": code_version,
-            "state_version": state_version,
-            "status": RunStatus(status).value,
-            "next_step": next_step,
-            "lease_owner": None,
-            "lease_expires_at": None,
-            "handoff": self._encode_handoff(handoff or Handoff()),
-            "head_seq": None,
-            "created_at": now,
-            "updated_at": now,
-            "waits_digest": None,
-            "rev": 0,
-        }
-        values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
+        values = self._new_row(
+            rid, flow, code_version, state_version, RunStatus(status), next_step, handoff, now
+        )
         try:
             failpoint("checkpoint.run.write")
             with translate("create a run"), begin(self.engine) as conn:
@@ -360,29 +337,31 @@ class _Runs(_Connections):
             (run.run_id, -1 if run.head_seq is None else run.head_seq),
         )
         found = cur.fetchone()
-        values = {
-            "run_id": run.run_id,
-            "flow": run.flow,
-            "code_version": run.code_version,
-            "state_version": run.state_version,
-            "status": run.status.value,
-            "next_step": run.next_step,
-            "handoff": self._encode_handoff(run.handoff),
-            "head_seq": run.head_seq,
-            "waits_digest": run.waits_digest,
-            **changes,
-            "rev": run.rev + 1,
-        }
-        values["seal"] = seal(
-            self.integrity, "runs", _run_parts(values, None if found is None else bytes(found[0]))
-        )
-        self._note_rev(run.run_id, values["rev"])
+        values = self._next_revision(run, changes, None if found is None else bytes(found[0]))
         cols = ["status", "next_step", "handoff", "code_version", "seal", "waits_digest", "rev"]
         sets = ", ".join([f"{c} = {q}" for c in cols] + [f"updated_at = {q}"])
         cur.execute(
             f"UPDATE oo_runs SET {sets} WHERE run_id = {q}",
             [*(values[c] for c in cols), time.time(), run.run_id],
         )
+
+    def _next_revision(
+        self, run: Run, changes: Mapping[str, Any], head_digest: bytes | None
+    ) -> dict[str, Any]:
+        """The sealed columns of ``run`` with ``changes``, at its next revision, and their
+        seal (``head_digest``: the head checkpoint's, after the change). The revision is
+        noted for the witness: the caller writes it in this transaction."""
+        values = {
+            **_run_fields(run),
+            "handoff": self._encode_handoff(run.handoff),
+            "head_seq": run.head_seq,
+            "waits_digest": run.waits_digest,
+            **changes,
+            "rev": run.rev + 1,
+        }
+        values["seal"] = seal(self.integrity, "runs", _run_parts(values, head_digest))
+        self._note_rev(run.run_id, values["rev"])
+        return values
 
     def _waits_digest_in(self, cur: Any, run_id: str) -> bytes:
         """The digest of a run's waits as they stand: every wait's name, instance and
@@ -483,17 +462,41 @@ class _Runs(_Connections):
             )
         return bool(res.rowcount)
 
+    def _new_row(
+        self,
+        run_id: str,
+        flow: str,
+        code_version: str,
+        state_version: int,
+        status: RunStatus,
+        next_step: str | None,
+        handoff: Handoff | None,
+        now: float,
+    ) -> dict[str, Any]:
+        """A new run's row (no checkpoint, no lease, revision 0), sealed."""
+        values: dict[str, Any] = {
+            "run_id": run_id,
+            "flow": flow,
+            "code_version": code_version,
+            "state_version": state_version,
+            "status": status.value,
+            "next_step": next_step,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "handoff": self._encode_handoff(handoff or Handoff()),
+            "head_seq": None,
+            "created_at": now,
+            "updated_at": now,
+            "waits_digest": None,
+            "rev": 0,
+        }
+        values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
+        return values
+
     def _encode_handoff(self, h: Handoff) -> bytes:
         if not isinstance(h, Handoff):
             raise ConfigurationError(f"handoff must be a Handoff, not {type(h).__name__}")
-        return self.codec.encode(
-            {
-                "goal": h.goal,
-                "done": list(h.done),
-                "next": list(h.next),
-                "ruled_out": list(h.ruled_out),
-            }
-        )
+        return self.codec.encode(_handoff_fields(h))
 
     def _run_from_row(self, row: Mapping[str, Any]) -> Run:
         handoff = Handoff()
@@ -532,3 +535,25 @@ class _Runs(_Connections):
             waits_digest=None if row.get("waits_digest") is None else bytes(row["waits_digest"]),
             rev=int(row.get("rev") or 0),
         )
+
+
+def _run_fields(run: Run) -> dict[str, Any]:
+    """The run's columns that say what it is and where it stands (as stored)."""
+    return {
+        "run_id": run.run_id,
+        "flow": run.flow,
+        "code_version": run.code_version,
+        "state_version": run.state_version,
+        "status": run.status.value,
+        "next_step": run.next_step,
+    }
+
+
+def _handoff_fields(h: Handoff) -> dict[str, Any]:
+    """A handoff note as plain data (what its stored form encodes)."""
+    return {
+        "goal": h.goal,
+        "done": list(h.done),
+        "next": list(h.next),
+        "ruled_out": list(h.ruled_out),
+    }

@@ -3,7 +3,80 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
+
+from .errors import CorruptRecord
+from .records import CheckpointInfo, Source
+
+_KEYFRAME, _DELTA = 0, 1  # a checkpoint row's kind
+
+
+class _CheckpointRow(Protocol):
+    """The columns of a checkpoint row (read back, or queued to be written)."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def kind(self) -> int: ...
+    @property
+    def keyframe_seq(self) -> int: ...
+    @property
+    def step(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def schema_version(self) -> int: ...
+    @property
+    def created_at(self) -> float: ...
+    @property
+    def digest(self) -> bytes: ...
+
+
+def _row_key(row: _CheckpointRow) -> tuple[int, int, int, int, str, str, float]:
+    """The columns of checkpoint ``row`` that its digest and its seal cover (with the run
+    id, and its body or its digest), in their order."""
+    return (
+        row.seq,
+        row.kind,
+        row.keyframe_seq,
+        row.schema_version,
+        row.step,
+        row.source,
+        row.created_at,
+    )
+
+
+def _row_parts(run_id: str, row: _CheckpointRow) -> list[object]:
+    """What the seal of checkpoint ``row`` of run ``run_id`` covers."""
+    return _ckpt_parts(run_id, *_row_key(row), row.digest)
+
+
+def _row_info(run_id: str, row: _CheckpointRow) -> CheckpointInfo:
+    """The metadata of checkpoint ``row`` of run ``run_id``.
+
+    Raises:
+        CorruptRecord: Its source is one no writer produces (an edited row).
+    """
+    seq = int(row.seq)
+    try:
+        source = Source(row.source)
+    except ValueError:
+        raise CorruptRecord(
+            f"checkpoint {seq} has an unknown source {row.source!r} (edited)",
+            run_id=run_id,
+            seq=seq,
+        ) from None
+    return CheckpointInfo(
+        run_id=run_id,
+        seq=seq,
+        step=row.step,
+        source=source,
+        schema_version=int(row.schema_version),
+        created_at=float(row.created_at),
+        keyframe=row.kind == _KEYFRAME,
+        keyframe_seq=int(row.keyframe_seq),
+        digest=bytes(row.digest),
+    )
 
 
 def _ckpt_parts(

@@ -8,22 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from . import _delta
-from .records import (
-    CheckpointInfo,
-    Run,
-    RunStatus,
-    Source,
-)
+from ._sql import _row_info
+from .records import CheckpointInfo, Run, RunStatus
 
-_UNSET: Final = object()
-
-
-_KEYFRAME, _DELTA = 0, 1
-
-
-_HEAD_CACHE = 1024
-
-
+_UNSET: Final = object()  # an argument not given (None is a value: "no next step")
+_HEAD_CACHE = 1024  # runs whose head this process keeps (least recently used dropped)
 _ENDED = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
 
 
@@ -70,17 +59,7 @@ class _Pending:
     gen: int = 0  # async mode: the error generation it was queued in
 
     def info(self) -> CheckpointInfo:
-        return CheckpointInfo(
-            run_id=self.run_id,
-            seq=self.seq,
-            step=self.step,
-            source=Source(self.source),
-            schema_version=self.schema_version,
-            created_at=self.created_at,
-            keyframe=self.kind == _KEYFRAME,
-            keyframe_seq=self.keyframe_seq,
-            digest=self.digest,
-        )
+        return _row_info(self.run_id, self)
 
 
 _NO_WAIT = threading.Event()

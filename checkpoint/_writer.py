@@ -8,27 +8,14 @@ from typing import Any, TypeVar
 
 from ._blobs import _Blobs
 from ._connections import _RawTxn
-from ._engine import (
-    DRIVER_ERRORS,
-    classify,
-    is_integrity_error,
-    translate,
-)
+from ._engine import DRIVER_ERRORS, classify, is_integrity_error, translate
 from ._retry import retried
-from ._sql import _ckpt_parts, _run_parts
-from ._state import (
-    _Barrier,
-    _Pending,
-)
-from .errors import (
-    ConcurrentWrite,
-    CorruptRecord,
-)
+from ._sql import _row_parts
+from ._state import _Barrier, _Pending
+from .errors import ConcurrentWrite, CorruptRecord
 from .failpoints import failpoint
 from .integrity import _make_seal as seal
-from .records import (
-    Durability,
-)
+from .records import Durability
 
 T = TypeVar("T")
 
@@ -194,21 +181,7 @@ class _Writer(_Blobs):
             cur.executemany(sql.ins_blob, [(h, len(d), d) for h, d in p.blobs.items()])
         if p.refs:
             cur.executemany(sql.ins_ref, [(p.run_id, h) for h in p.refs])
-        ckpt_seal = seal(
-            keys,
-            "checkpoints",
-            _ckpt_parts(
-                p.run_id,
-                p.seq,
-                p.kind,
-                p.keyframe_seq,
-                p.schema_version,
-                p.step,
-                p.source,
-                p.created_at,
-                p.digest,
-            ),
-        )
+        ckpt_seal = seal(keys, "checkpoints", _row_parts(p.run_id, p))
         try:
             cur.execute(
                 sql.ins_ckpt,
@@ -248,25 +221,8 @@ class _Writer(_Blobs):
         expected_head = None if p.seq == 0 else p.seq - 1
         if run is None or run.head_seq != expected_head:
             raise ConcurrentWrite(p.run_id, p.seq - 1)
-        values: dict[str, Any] = {
-            "run_id": run.run_id,
-            "flow": run.flow,
-            "code_version": run.code_version,
-            "state_version": run.state_version,
-            "status": run.status.value,
-            "next_step": run.next_step,
-            "handoff": self._encode_handoff(run.handoff),
-            "waits_digest": run.waits_digest,
-            **p.run_values,
-            "head_seq": p.seq,
-            "rev": run.rev + 1,
-        }
-        out = dict(p.run_values)
-        out["handoff"] = values["handoff"]
-        out["rev"] = values["rev"]
-        out["seal"] = seal(self.integrity, "runs", _run_parts(values, p.digest))
-        self._note_rev(run.run_id, values["rev"])
-        return out
+        values = self._next_revision(run, {**p.run_values, "head_seq": p.seq}, p.digest)
+        return {**p.run_values, **{c: values[c] for c in ("handoff", "rev", "seal")}}
 
     def _written(self, batch: Sequence[_Pending], lost: Sequence[_Pending]) -> None:
         """Bookkeeping after queued checkpoints were written (or left out): forget the

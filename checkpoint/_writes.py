@@ -6,36 +6,19 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from . import _delta
 from ._connections import _RawTxn
-from ._engine import (
-    DRIVER_ERRORS,
-    is_integrity_error,
-    translate,
-)
+from ._engine import DRIVER_ERRORS, is_integrity_error, translate
 from ._migrate import _upgrade
 from ._reads import _Reads
 from ._retry import retried
-from ._sql import _RUN_COLS, _run_parts
-from ._state import (
-    _DELTA,
-    _ENDED,
-    _KEYFRAME,
-    _UNSET,
-    _Head,
-    _Pending,
-)
-from .errors import (
-    CheckpointNotFound,
-    ConcurrentWrite,
-    ConfigurationError,
-    RunExists,
-    RunNotFound,
-)
+from ._sql import _DELTA, _KEYFRAME, _RUN_COLS
+from ._state import _ENDED, _UNSET, _Head, _Pending
+from .errors import CheckpointNotFound, ConcurrentWrite, ConfigurationError, RunExists, RunNotFound
 from .failpoints import failpoint
-from .integrity import _make_seal as seal
 from .records import (
     CheckpointInfo,
     Durability,
@@ -46,6 +29,19 @@ from .records import (
     Source,
     StateMigrations,
 )
+
+
+@dataclass(frozen=True)
+class _Change:
+    """What a checkpoint changes on its run besides the state (written atomically with
+    it); ``_UNSET`` / None: unchanged."""
+
+    step: str
+    next_step: Any = _UNSET
+    status: RunStatus | str | None = None
+    source: Source | str = Source.STEP
+    schema_version: int | None = None
+    handoff: Handoff | None = None
 
 
 class _Writes(_Reads):
@@ -93,24 +89,14 @@ class _Writes(_Reads):
             self._check_open()
             rid = run_id or uuid.uuid4().hex
             now = time.time()
-            base = Run(
-                run_id=rid,
-                flow=flow,
-                code_version=code_version,
-                state_version=state_version,
-                status=RunStatus.WAITING,
-                next_step=next_step,
-                lease_owner=None,
-                lease_expires_at=None,
-                handoff=handoff or Handoff(),
-                head_seq=None,
-                created_at=now,
-                updated_at=now,
-            )
             ops = _delta.diff({}, state, self.codec)
-            pending, head = self._build(
-                rid, None, ops, step, next_step, status, source, state_version, handoff, base
+            # Written waiting: the first checkpoint moves it to ``status``.
+            values = self._new_row(
+                rid, flow, code_version, state_version, RunStatus.WAITING, next_step, handoff, now
             )
+            base = self._run_from_row(values)
+            change = _Change(step, next_step, status, source, state_version, handoff)
+            pending, head = self._build(rid, None, ops, change, base)
             q = self._sql.q
             pg = self._dialect == "postgresql"
 
@@ -123,23 +109,6 @@ class _Writes(_Reads):
                     cur.execute(f"SELECT 1 FROM oo_runs WHERE run_id = {q}{lock}", (key_run,))
                     if cur.fetchone() is None:
                         raise RunNotFound(key_run)
-                values = {
-                    "run_id": rid,
-                    "flow": flow,
-                    "code_version": code_version,
-                    "state_version": state_version,
-                    "status": RunStatus.WAITING.value,
-                    "next_step": next_step,
-                    "lease_owner": None,
-                    "lease_expires_at": None,
-                    "handoff": self._encode_handoff(base.handoff),
-                    "head_seq": None,
-                    "created_at": now,
-                    "updated_at": now,
-                    "waits_digest": None,
-                    "rev": 0,
-                }
-                values["seal"] = seal(self.integrity, "runs", _run_parts(values, None))
                 try:
                     cur.execute(
                         f"INSERT INTO oo_runs ({', '.join(_RUN_COLS)}) VALUES "
@@ -212,14 +181,10 @@ class _Writes(_Reads):
                 ``parent``); nothing was written.
         """
         with self._lock:
-            self._check_open()
-            self._take_lost(run_id)
-            head = self._head(run_id)
-            _check_parent(run_id, head, parent)
+            head = self._parent_head(run_id, parent)
             ops = _delta.diff(head.state if head else {}, state, self.codec)
-            return self._commit_ops(
-                run_id, head, ops, step, next_step, status, source, schema_version, handoff
-            )
+            change = _Change(step, next_step, status, source, schema_version, handoff)
+            return self._commit_ops(run_id, head, ops, change)
 
     def update(
         self,
@@ -249,10 +214,7 @@ class _Writes(_Reads):
         Other arguments and errors as in :meth:`save`.
         """
         with self._lock:
-            self._check_open()
-            self._take_lost(run_id)
-            head = self._head(run_id)
-            _check_parent(run_id, head, parent)
+            head = self._parent_head(run_id, parent)
             current = head.state if head else {}
             ops: dict[str, _delta.Op] = {}
             for ch, v in (set or {}).items():
@@ -271,26 +233,24 @@ class _Writes(_Reads):
                 ops[ch] = ("x",)
             for ch in ops:
                 _delta.check_channel(ch)
-            return self._commit_ops(
-                run_id, head, ops, step, next_step, status, source, schema_version, handoff
-            )
+            change = _Change(step, next_step, status, source, schema_version, handoff)
+            return self._commit_ops(run_id, head, ops, change)
+
+    def _parent_head(self, run_id: str, parent: int | None) -> _Head | None:
+        """The head a save builds on, under the lock: ``parent`` if given (else
+        :class:`ConcurrentWrite`), after any loss of the run's queued checkpoints was
+        reported (:class:`CheckpointLost`)."""
+        self._check_open()
+        self._take_lost(run_id)
+        head = self._head(run_id)
+        _check_parent(run_id, head, parent)
+        return head
 
     def _commit_ops(
-        self,
-        run_id: str,
-        head: _Head | None,
-        ops: dict[str, _delta.Op],
-        step: str,
-        next_step: Any,
-        status: RunStatus | str | None,
-        source: Source | str,
-        schema_version: int | None,
-        handoff: Handoff | None,
+        self, run_id: str, head: _Head | None, ops: dict[str, _delta.Op], change: _Change
     ) -> CheckpointInfo:
         base = self.get_run(run_id) if head is None else None
-        pending, new_head = self._build(
-            run_id, head, ops, step, next_step, status, source, schema_version, handoff, base
-        )
+        pending, new_head = self._build(run_id, head, ops, change, base)
         self._remember(run_id, new_head)
         if self.durability is Durability.SYNC:
             try:
@@ -312,18 +272,20 @@ class _Writes(_Reads):
         run_id: str,
         head: _Head | None,
         ops: dict[str, _delta.Op],
-        step: str,
-        next_step: Any,
-        status: RunStatus | str | None,
-        source: Source | str,
-        schema_version: int | None,
-        handoff: Handoff | None,
+        change: _Change,
         base: Run | None,
     ) -> tuple[_Pending, _Head]:
-        """Encode the checkpoint that applies ``ops`` on top of ``head`` (None: the run's
-        first, on top of the run row ``base``); returns it and the advanced head (the
-        cached head object itself, changed in place)."""
-        src = Source(source).value
+        """Encode the checkpoint that applies ``ops`` and ``change`` on top of ``head``
+        (None: the run's first, on top of the run row ``base``); returns it and the
+        advanced head (the cached head object itself, changed in place)."""
+        step, next_step, status, handoff = (
+            change.step,
+            change.next_step,
+            change.status,
+            change.handoff,
+        )
+        schema_version = change.schema_version
+        src = Source(change.source).value
         run_values: dict[str, Any] = {}
         if handoff is not None:
             run_values["handoff"] = self._encode_handoff(handoff)
