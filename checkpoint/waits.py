@@ -37,7 +37,9 @@ from .integrity import _check_seal as check_seal
 from .records import RunStatus
 
 if TYPE_CHECKING:
-    from .store import Store
+    # What waits use of a store: the layers of it below its facade (the facade's audit
+    # reads waits, so waits import nothing of store.py).
+    from ._writer import _Writer as Store
 
 __all__ = [
     "Wait",

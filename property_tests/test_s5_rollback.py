@@ -37,8 +37,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, make_url, text
 
-from onceonly.checkpoint import RunStatus, Store
-from onceonly.checkpoint import store as checkpoint_store
+from onceonly.checkpoint import RunStatus, Store, _connections
 from onceonly.ledger import EffectStatus, Ledger
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
@@ -196,7 +195,7 @@ def scenario(
     plan = plan_for(rng, rng.randint(2, 4), 2, "abbc")
     labels = labels_of(plan)
     active = [False]
-    original: Callable[..., Any] = checkpoint_store._RawTxn.__exit__
+    original: Callable[..., Any] = _connections._RawTxn.__exit__
 
     def exit_then_snapshot(self: Any, exc_type: object, exc: object, tb: object) -> None:
         original(self, exc_type, exc, tb)
@@ -204,7 +203,7 @@ def scenario(
             snaps.take()
 
     with monkeypatch.context() as mp:
-        mp.setattr(checkpoint_store._RawTxn, "__exit__", exit_then_snapshot)
+        mp.setattr(_connections._RawTxn, "__exit__", exit_then_snapshot)
         store, ledger, rt, _ops = _open(url)
         try:
             active[0] = True

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from onceonly.checkpoint import store as store_module
+from onceonly.checkpoint import _connections
 from onceonly.checkpoint.store import Store
 from onceonly.ledger import Claim, EffectInFlight, Ledger
 from tests.ledger_support import Ledgers, ident
@@ -95,7 +95,7 @@ class _Hook:
 @pytest.fixture
 def interleave(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., _Hook]]:
     hooks: list[_Hook] = []
-    enter = store_module._RawTxn.__enter__
+    enter = _connections._RawTxn.__enter__
 
     def wrapped(self: Any) -> Any:
         cur = enter(self)
@@ -105,7 +105,7 @@ def interleave(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., _Hook]
                 return self._cur
         return cur
 
-    monkeypatch.setattr(store_module._RawTxn, "__enter__", wrapped)
+    monkeypatch.setattr(_connections._RawTxn, "__enter__", wrapped)
 
     def make(store: Store, rival: Callable[[], None]) -> _Hook:
         hook = _Hook(store, rival, pg=store.dialect != "sqlite")

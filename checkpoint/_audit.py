@@ -1,0 +1,181 @@
+"""The integrity audit: every blob, checkpoint, run and wait against its hash, digest and seal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _delta
+from ._retention import _Retention
+from ._sql import _RUN_COLS, _ckpt_parts, _run_parts
+from .errors import ConfigurationError, CorruptRecord
+from .integrity import UNKEYED_LIMITS
+from .integrity import _check_seal as check
+from .waits import _COLS as WAIT_COLS
+from .waits import _READ as WAIT_READ
+from .waits import Waits, _wait_parts
+
+
+class _Audit(_Retention):
+    """Verifying a whole store, and sealing what carries no seal."""
+
+    def verify_integrity(self) -> tuple[int, list[str]]:
+        """Check every stored blob against its hash, every checkpoint row against its
+        digest, and (with integrity keys) every run, checkpoint and wait against its
+        seal, and every run's history for checkpoints missing below its head or left
+        above it (a cut-back history), without loading any state. Without keys,
+        :attr:`integrity_note` says what cannot be detected.
+
+        Returns:
+            (records checked, one line per problem found).
+        """
+        self.flush()
+        problems: list[str] = []
+        checked = 0
+
+        def scan(cur: Any) -> None:
+            nonlocal checked
+            cur.execute("SELECT hash, data FROM oo_blobs")
+            for h, data in cur.fetchall():
+                checked += 1
+                try:
+                    raw = _delta.unpack(bytes(data))
+                except CorruptRecord as exc:
+                    problems.append(f"blob {bytes(h).hex()}: {exc.detail}")
+                    continue
+                if _delta.blob_hash(raw) != bytes(h):
+                    problems.append(f"blob {bytes(h).hex()}: content does not match its hash")
+            cur.execute(
+                "SELECT run_id, seq, kind, keyframe_seq, schema_version, step, source, "
+                "created_at, body, digest FROM oo_checkpoints"
+            )
+            seqs: dict[str, list[int]] = {}
+            for run_id, seq, kind, kf, ver, step, src, at, body, digest in cur.fetchall():
+                checked += 1
+                seqs.setdefault(run_id, []).append(int(seq))
+                try:
+                    raw = _delta.unpack(bytes(body))
+                except CorruptRecord as exc:
+                    problems.append(f"run {run_id!r} checkpoint {seq}: {exc.detail}")
+                    continue
+                calc = _delta.row_digest(run_id, seq, kind, kf, ver, step, src, at, raw)
+                if calc != bytes(digest):
+                    problems.append(f"run {run_id!r} checkpoint {seq}: row fails its digest")
+            cur.execute(
+                "SELECT run_id, seq, kind, keyframe_seq, schema_version, step, source, "
+                "created_at, digest, seal FROM oo_checkpoints"
+            )
+            for run_id, seq, kind, kf, ver, step, src, at, digest, sealed in cur.fetchall():
+                try:
+                    check(
+                        self.integrity,
+                        "checkpoints",
+                        _ckpt_parts(run_id, seq, kind, kf, ver, step, src, at, bytes(digest)),
+                        None if sealed is None else bytes(sealed),
+                        what=f"checkpoint {seq}",
+                    )
+                except CorruptRecord as exc:
+                    problems.append(f"run {run_id!r} checkpoint {seq}: {exc.detail}")
+            cur.execute(self._sql.runs_rows)
+            for found in cur.fetchall():
+                checked += 1
+                values = dict(zip(_RUN_COLS, found[: len(_RUN_COLS)], strict=True))
+                run_id, head = values["run_id"], values["head_seq"]
+                try:
+                    self._checked_run(found)
+                except CorruptRecord as exc:
+                    problems.append(f"run {run_id!r}: {exc.detail}")
+                have = sorted(seqs.get(run_id, []))
+                if head is None:
+                    if have:
+                        problems.append(f"run {run_id!r}: checkpoints {have} but no head")
+                    continue
+                above = [x for x in have if x > int(head)]
+                if above:
+                    problems.append(
+                        f"run {run_id!r}: checkpoints {above} above its head {head} (a cut-back "
+                        f"history, or a head moved back)"
+                    )
+                if int(head) not in have:
+                    problems.append(f"run {run_id!r}: its head checkpoint {head} is missing")
+            waits = Waits(self)
+            cur.execute(f"SELECT {WAIT_READ} FROM oo_waits")
+            for row in cur.fetchall():
+                checked += 1
+                try:
+                    waits._checked(row)
+                except CorruptRecord as exc:
+                    problems.append(f"run {row[0]!r} wait {row[1]!r}#{row[14]}: {exc.detail}")
+            if self.integrity is not None:
+                cur.execute("SELECT DISTINCT run_id FROM oo_waits ORDER BY run_id")
+                for (rid,) in cur.fetchall():
+                    try:
+                        self._check_waits_in(cur, rid)
+                    except CorruptRecord as exc:
+                        problems.append(f"run {rid!r}: {exc.detail}")
+
+        self.read(scan)
+        return checked, problems
+
+    def seal_unsealed(self) -> int:
+        """Seal every run, checkpoint and wait that carries no seal (a store created
+        before sealing, or written by a store without keys), as they stand: an
+        operator's decision to trust the current contents, taken after ``verify``.
+
+        Returns:
+            How many rows were sealed.
+
+        Raises:
+            ConfigurationError: This store has no integrity keys.
+        """
+        keys = self.integrity
+        if keys is None:
+            raise ConfigurationError(f"nothing to seal with: {UNKEYED_LIMITS}")
+        q = self._sql.q
+
+        def txn(cur: Any) -> int:
+            n = 0
+            cur.execute(
+                "SELECT run_id, seq, kind, keyframe_seq, schema_version, step, source, "
+                "created_at, digest FROM oo_checkpoints WHERE seal IS NULL"
+            )
+            for rid, seq, kind, kf, ver, step, src, at, digest in cur.fetchall():
+                parts = _ckpt_parts(rid, seq, kind, kf, ver, step, src, at, bytes(digest))
+                cur.execute(
+                    f"UPDATE oo_checkpoints SET seal = {q} WHERE run_id = {q} AND seq = {q}",
+                    (keys.seal("checkpoints", parts), rid, seq),
+                )
+                n += 1
+            cur.execute(self._sql.runs_rows + " WHERE r.seal IS NULL")
+            for found in cur.fetchall():
+                values = dict(zip(_RUN_COLS, found[: len(_RUN_COLS)], strict=True))
+                digest = found[len(_RUN_COLS)]
+                parts = _run_parts(values, None if digest is None else bytes(digest))
+                cur.execute(
+                    f"UPDATE oo_runs SET seal = {q} WHERE run_id = {q}",
+                    (keys.seal("runs", parts), values["run_id"]),
+                )
+                n += 1
+            cur.execute(f"SELECT {WAIT_COLS} FROM oo_waits WHERE seal IS NULL")
+            for row in cur.fetchall():
+                cur.execute(
+                    f"UPDATE oo_waits SET seal = {q} WHERE run_id = {q} AND name = {q} "
+                    f"AND instance = {q}",
+                    (keys.seal("waits", _wait_parts(tuple(row))), row[0], row[1], row[14]),
+                )
+                n += 1
+            # Bind every run's waits to its run row (runs sealed before schema 5 too).
+            cur.execute(
+                "SELECT DISTINCT w.run_id FROM oo_waits w JOIN oo_runs r ON r.run_id = "
+                "w.run_id WHERE r.waits_digest IS NULL ORDER BY w.run_id"
+            )
+            for (rid,) in cur.fetchall():
+                self._seal_waits_in(cur, rid)
+                n += 1
+            return n
+
+        return self.transact(txn)
+
+    @property
+    def integrity_note(self) -> str | None:
+        """What this store cannot detect (None when it seals its rows)."""
+        return None if self.integrity is not None else UNKEYED_LIMITS

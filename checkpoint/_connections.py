@@ -1,0 +1,280 @@
+"""The store's shared state, its per-thread pinned connections and raw transactions."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import Engine
+
+from ._engine import DRIVER_ERRORS, READ_ONLY, lost_commit, translate
+from ._retry import DatabaseRetry, retried
+from ._sql import _SQL
+from ._state import _HEAD_CACHE, _Barrier, _Head, _Pending
+from ._witness import Witness
+from .codec import Codec
+from .errors import AsyncWriteError, CheckpointLost, ConfigurationError, RunRolledBack
+from .integrity import RowKeys
+from .records import Durability, KeyframePolicy, StateMigrations
+
+T = TypeVar("T")
+
+
+class _Connections:
+    """The base of :class:`~checkpoint.store.Store`: the state every part of it shares
+    (set by ``Store.__init__``), pinned per-thread connections, read transactions and the
+    head cache."""
+
+    integrity: RowKeys | None
+    witness: Witness | None
+    retry: DatabaseRetry
+    durability: Durability
+    engine: Engine
+    codec: Codec
+    keyframes: KeyframePolicy
+    migrations: StateMigrations | None
+    _behind: RunRolledBack | None
+    _dialect: str
+    _sql: _SQL
+    _lock: threading.RLock
+    _heads: OrderedDict[str, _Head]
+    _pending: list[_Pending]
+    _queue: queue.Queue[_Pending | _Barrier | None]
+    _async_error: BaseException | None
+    _writer: threading.Thread | None
+    _closed: bool
+    _heads_stale: bool
+    _stale_runs: set[str]
+    _unwritten: dict[str, int]
+    _lost: dict[str, int]
+    _reported: dict[str, int]
+    _count_lock: threading.Lock
+    _gen: int
+    _dead_gen: int
+    _local: threading.local
+    _pinned: list[tuple[weakref.ref[threading.Thread], Any]]
+    _pin_lock: threading.Lock
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigurationError("the store is closed; open a new one")
+        if self._heads_stale:
+            # Set by the background writer, which never takes the lock (a caller may be
+            # waiting on a barrier while holding it): forget heads it could not write.
+            self._heads_stale = False
+            self._heads.clear()
+        if self._stale_runs:
+            with self._count_lock:
+                stale, self._stale_runs = self._stale_runs, set()
+            for run_id in stale:
+                self._heads.pop(run_id, None)
+        err = self._async_error
+        if err is not None:
+            self._async_error = None
+            self._gen = self._dead_gen + 1  # saves from now on build on a reloaded head
+            raise AsyncWriteError(
+                f"a background checkpoint write failed: {err}; the checkpoints queued after "
+                f"it were not written. Reload the run with Store.load to continue from what "
+                f"is durable."
+            ) from err
+
+    def _take_lost(self, run_id: str) -> None:
+        """Raise :class:`CheckpointLost` once for a run whose queued checkpoints were
+        left out (another writer won the race)."""
+        if self._lost:
+            with self._count_lock:
+                seq = self._lost.pop(run_id, None)
+            if seq is not None:
+                self._heads.pop(run_id, None)
+                with self._count_lock:
+                    # What was queued before this report and fails later is part of it.
+                    self._reported[run_id] = self._reported.get(run_id, 0) + 1
+                raise CheckpointLost(run_id, seq)
+
+    def _remember(self, run_id: str, head: _Head) -> None:
+        self._heads[run_id] = head
+        self._heads.move_to_end(run_id)
+        while len(self._heads) > _HEAD_CACHE:
+            self._heads.popitem(last=False)
+
+    def _checkout(self) -> tuple[Any, bool]:
+        local = self._local
+        conn = getattr(local, "conn", None)
+        if getattr(local, "busy", False):
+            return self.engine.raw_connection(), False  # nested: a pooled one
+        if conn is None:
+            self._reap_exited()
+            conn = self.engine.raw_connection()
+            local.conn = conn
+            with self._pin_lock:
+                self._pinned.append((weakref.ref(threading.current_thread()), conn))
+        local.busy = True
+        return conn, True
+
+    def _checkin(self, conn: Any, pinned: bool) -> None:
+        if not pinned:
+            conn.close()
+            return
+        self._local.busy = False
+        if self._closed:
+            self._discard(conn, pinned, invalidate=False)
+
+    def _discard(self, conn: Any, pinned: bool, *, invalidate: bool = True) -> None:
+        if pinned:
+            self._local.busy = False
+            self._local.conn = None
+            with self._pin_lock:
+                self._pinned = [(t, c) for t, c in self._pinned if c is not conn]
+        with contextlib.suppress(*DRIVER_ERRORS):
+            if invalidate:
+                conn.invalidate()
+            else:
+                conn.close()
+
+    def _close_pinned(self) -> None:
+        with self._pin_lock:
+            conns, self._pinned = self._pinned, []
+        for _, conn in conns:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
+
+    def _reap_exited(self) -> None:
+        """Return the pinned connections of threads that have exited to the pool."""
+        with self._pin_lock:
+            gone = [c for t, c in self._pinned if (th := t()) is None or not th.is_alive()]
+            if not gone:
+                return
+            self._pinned = [(t, c) for t, c in self._pinned if c not in gone]
+        for conn in gone:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
+
+    @property
+    def dialect(self) -> str:
+        """``"sqlite"`` or ``"postgresql"``."""
+        return self._dialect
+
+    @property
+    def param(self) -> str:
+        """The DBAPI parameter marker of this database (``?`` or ``%s``)."""
+        return self._sql.q
+
+    def _revs_mark(self, back_to: int | None = None) -> int:
+        """How many run revisions this thread's transaction noted; with ``back_to``,
+        forget those noted since (their savepoint was rolled back)."""
+        pending = getattr(self._local, "revs", None)
+        if pending is None:
+            return 0
+        if back_to is not None:
+            del pending[back_to:]
+        return len(pending)
+
+    def _note_rev(self, run_id: str, rev: int) -> None:
+        """A sealed run-row write at ``rev`` in this thread's transaction: witnessed
+        once it commits."""
+        if self.witness is not None:
+            pending = getattr(self._local, "revs", None)
+            if pending is not None:
+                pending.append((run_id, rev))
+
+    @retried("read", idempotent=True)
+    def read(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(cursor)`` in a read-only transaction (one snapshot on SQLite); run
+        again on a transient failure."""
+        self._check_open()
+        with translate("read"), _RawTxn(self, write=False) as cur:
+            return fn(cur)
+
+    def _reader(self) -> Any:
+        return self.engine.connect().execution_options(**{READ_ONLY: True})
+
+
+_PG_READ = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"
+
+
+class _RawTxn:
+    """A transaction on a DBAPI connection pinned to the calling thread (hot paths only).
+
+    Each thread keeps one connection between transactions, so the hot path skips the
+    pool's check-out and reset (a nested transaction in the same thread gets a pooled
+    one). SQLite writers take the lock up front (``BEGIN IMMEDIATE``) so a transaction
+    never fails half-way on a lock upgrade; readers use a deferred ``BEGIN`` for one
+    snapshot. A transaction that fails, including at COMMIT, is rolled back; a connection
+    that cannot even roll back is discarded. A COMMIT whose answer was lost raises
+    ``DatabaseUnavailable`` with ``may_have_committed`` (:func:`_engine.lost_commit`).
+    """
+
+    def __init__(self, store: _Connections, *, write: bool) -> None:
+        self._store = store
+        self._sqlite = store.dialect == "sqlite"
+        self._write = write
+        self._conn: Any = None
+        self._cur: Any = None
+        self._pinned = False
+
+    def __enter__(self) -> Any:
+        self._conn, self._pinned = self._store._checkout()
+        local = self._store._local
+        self._outer_revs = getattr(local, "revs", None)
+        local.revs = [] if self._write else self._outer_revs
+        try:
+            self._cur = self._conn.cursor()
+            if self._sqlite:
+                self._cur.execute("BEGIN IMMEDIATE" if self._write else "BEGIN")
+            elif not self._write:
+                # One snapshot for the whole read, as SQLite's deferred BEGIN gives: under
+                # READ COMMITTED a check that reads in two statements sees two moments
+                # (a concurrent commit between them reads as a row missing or extra).
+                self._cur.execute(_PG_READ)
+        except BaseException:
+            self._store._discard(self._conn, self._pinned)
+            raise
+        return self._cur
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        conn = self._conn
+        done = False
+        try:
+            if exc_type is None:
+                try:
+                    if self._sqlite:
+                        self._cur.execute("COMMIT" if self._write else "ROLLBACK")
+                    elif self._write:
+                        conn.commit()
+                    else:
+                        conn.rollback()
+                except DRIVER_ERRORS as err:
+                    lost = lost_commit(err) if self._write else None
+                    if lost is None:
+                        raise
+                    raise lost from err
+                done = True
+        finally:
+            healthy = True
+            if not done:
+                try:
+                    if self._sqlite:
+                        if conn.driver_connection.in_transaction:
+                            self._cur.execute("ROLLBACK")
+                    else:
+                        conn.rollback()
+                except DRIVER_ERRORS:
+                    healthy = False
+            try:
+                self._cur.close()
+            except DRIVER_ERRORS:
+                healthy = False
+            if healthy:
+                self._store._checkin(conn, self._pinned)
+            else:
+                self._store._discard(conn, self._pinned)
+            local = self._store._local
+            revs, local.revs = getattr(local, "revs", None), self._outer_revs
+            witness = self._store.witness
+            if done and self._write and revs and witness is not None:
+                witness.advance_runs(revs)  # committed: witnessed before anyone acts on it
