@@ -38,6 +38,8 @@ from .integrity import _encode as _encode_parts
 from .integrity import _make_seal as seal
 from .records import Handoff, Run, RunStatus
 
+_LEASE_TRIES = 5  # a lease that changes hands more often between two statements is held
+
 log = logging.getLogger("onceonly.store")
 
 
@@ -427,25 +429,34 @@ class _Runs(_Connections):
         r = _schema.runs
         failpoint("checkpoint.run.write")
         with translate("take a lease"), begin(self.engine) as conn:
-            res = conn.execute(
-                update(r)
-                .where(r.c.run_id == run_id)
-                .where(
-                    or_(
-                        r.c.lease_owner.is_(None),
-                        r.c.lease_owner == owner,
-                        r.c.lease_expires_at < now,
+            # Under READ COMMITTED the UPDATE and the SELECT that explains a refusal see
+            # two moments: a holder that lets go in between reads as a free lease (owner
+            # NULL), so try again on what the SELECT saw rather than report it as held.
+            for _ in range(_LEASE_TRIES):
+                res = conn.execute(
+                    update(r)
+                    .where(r.c.run_id == run_id)
+                    .where(
+                        or_(
+                            r.c.lease_owner.is_(None),
+                            r.c.lease_owner == owner,
+                            r.c.lease_expires_at < now,
+                        )
                     )
+                    .values(lease_owner=owner, lease_expires_at=now + ttl_s, updated_at=now)
                 )
-                .values(lease_owner=owner, lease_expires_at=now + ttl_s, updated_at=now)
-            )
-            if res.rowcount == 0:
+                if res.rowcount:
+                    break
                 row = conn.execute(
                     select(r.c.lease_owner, r.c.lease_expires_at).where(r.c.run_id == run_id)
                 ).first()
                 if row is None:
                     raise RunNotFound(run_id)
-                raise LeaseHeld(run_id, str(row[0]), float(row[1]))
+                held_by, until = row
+                if held_by is not None and held_by != owner and until is not None and until >= now:
+                    raise LeaseHeld(run_id, str(held_by), float(until))
+            else:
+                raise LeaseHeld(run_id, str(held_by), float(until or now))
         return self.get_run(run_id)
 
     @retried("release a lease", idempotent=True)

@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 
-from onceonly.checkpoint import _connections
+from onceonly.checkpoint import LeaseHeld, _connections
 from onceonly.checkpoint.store import Store
 from onceonly.ledger import Claim, EffectInFlight, Ledger
 from tests.ledger_support import Ledgers, ident
@@ -247,3 +248,42 @@ def test_two_claims_of_one_key_one_wins_neither_reports_tampering(
     assert _positions(hook, op) >= 2
     report = led.verify()
     assert report.ok, report
+
+
+def test_a_lease_let_go_between_the_refusal_and_its_explanation_is_taken(
+    ledgers: Ledgers,
+) -> None:
+    """``acquire_lease`` refuses in one statement and reads who holds the lease in the
+    next; a holder letting go in between left a lease with no owner to report (a
+    ``TypeError`` on PostgreSQL). The lease is free by then: it must be taken."""
+    mine, theirs = ledgers.store(), ledgers.store()
+    rid = mine.create_run("f").run_id
+    theirs.acquire_lease(rid, "other", 30)
+    pg = mine.dialect != "sqlite"
+    late: list[threading.Thread] = []
+
+    def after(_conn: Any, cursor: Any, statement: str, *_args: Any) -> None:
+        if late or not statement.lstrip().upper().startswith("UPDATE"):
+            return
+        if "lease_owner" not in statement or cursor.rowcount != 0:
+            return
+        t = threading.Thread(target=theirs.release_lease, args=(rid, "other"))
+        late.append(t)
+        t.start()
+        if pg:
+            t.join()  # READ COMMITTED: the release lands between our two statements
+
+    event.listen(mine.engine, "after_cursor_execute", after)
+    try:
+        if pg:
+            assert mine.acquire_lease(rid, "mine", 30).lease_owner == "mine"
+        else:  # SQLite serialises writers: the release waits for our refusal
+            with pytest.raises(LeaseHeld):
+                mine.acquire_lease(rid, "mine", 30)
+    finally:
+        event.remove(mine.engine, "after_cursor_execute", after)
+        for t in late:
+            t.join()
+    assert late, "the refusal was never interleaved"
+    if not pg:
+        assert mine.acquire_lease(rid, "mine", 30).lease_owner == "mine"
