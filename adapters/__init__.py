@@ -47,33 +47,15 @@ if TYPE_CHECKING:
 # guard and its keys only, not smtplib/imaplib, SQLAlchemy's PostgreSQL dialect or the
 # tool guard.
 _LAZY = {
-    **dict.fromkeys(
-        [
-            "EmailNotSent",
-            "EmailOutcomeUnknown",
-            "EmailRejected",
-            "EmailSendError",
-            "GuardedSMTP",
-            "IMAPMailbox",
-            "SMTPServer",
-            "SentEmail",
-            "classify_smtp",
-        ],
-        "email",
-    ),
-    **dict.fromkeys(["ToolGuard", "ToolPolicy"], "langgraph"),
-    **dict.fromkeys(
-        [
-            "GuardedTable",
-            "RecordNotSent",
-            "RecordOutcomeUnknown",
-            "RecordRejected",
-            "RecordWriteError",
-            "ReferenceReuseError",
-            "classify_record",
-        ],
-        "record",
-    ),
+    name: module
+    for module, names in (
+        ("email", "EmailNotSent EmailOutcomeUnknown EmailRejected EmailSendError GuardedSMTP"),
+        ("email", "IMAPMailbox SMTPServer SentEmail classify_smtp"),
+        ("langgraph", "ToolGuard ToolPolicy"),
+        ("record", "GuardedTable RecordNotSent RecordOutcomeUnknown RecordRejected"),
+        ("record", "RecordWriteError ReferenceReuseError classify_record"),
+    )
+    for name in names.split()
 }
 
 

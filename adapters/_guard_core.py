@@ -263,6 +263,13 @@ class Interrupted:
     error: BaseException
 
 
+def acting_failed(exc: BaseException) -> Raised | Interrupted:
+    """The evidence of a guarded call that raised ``exc``: an ``Exception`` is recorded by
+    evidence; any other ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``, a
+    cancelled task) is an interrupt."""
+    return Raised(exc) if isinstance(exc, Exception) else Interrupted(exc)
+
+
 def outcome_of(exc: BaseException) -> str:
     """The span outcome of a call that ends with ``exc``."""
     if isinstance(exc, EffectInDoubt) or not isinstance(exc, Exception):

@@ -82,23 +82,15 @@ class Confirmation(TypedDict):
 
 
 class BookingRejected(_http_outcome.AnswerError):
-    """The provider refused definitely (a 4xx other than 408/429: taken, invalid, unknown).
-
-    Attributes:
-        status: The HTTP status.
-        body: The response body (JSON if it parsed, else text).
-    """
+    """The provider refused definitely (a 4xx other than 408/429: taken, invalid, unknown);
+    ``status`` and ``body`` (JSON if it parsed, else text) are its answer's."""
 
     message = "booking refused: HTTP {status}"
 
 
 class BookingAmbiguous(_http_outcome.AnswerError):
-    """The provider answered, but not whether the request was applied (5xx, 408, 429).
-
-    Attributes:
-        status: The HTTP status.
-        body: The response body (JSON if it parsed, else text).
-    """
+    """The provider answered, but not whether the request was applied (5xx, 408, 429);
+    ``status`` and ``body`` (JSON if it parsed, else text) are its answer's."""
 
     message = "booking answered HTTP {status}: outcome unknown"
 

@@ -28,7 +28,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -327,45 +327,60 @@ def _interrupted(ledger: Ledger, claim: Claim, exc: BaseException) -> None:
         )
 
 
-def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], Any]) -> Any:
-    """The sync driver."""
-    machine = _attempts(spec)
+def _acted(result: Any) -> _core.Succeeded:
+    """The evidence of a guarded call that returned ``result`` (past the crash point
+    between acting and recording)."""
+    failpoint("adapters.act.after")
+    return _core.Succeeded(result)
+
+
+@contextlib.contextmanager
+def _traced(spec: _Spec, ident: EffectIdentity, machine: _core.Attempts) -> Iterator[trace.Span]:
+    """The call's span; a call that ends with an error is finished by it."""
     with _tracer.start_as_current_span(
         f"execute_tool {spec.effect}", record_exception=False, set_status_on_exception=False
     ) as span:
         _start(span, spec, ident, spec.ledger.key_id(ident))
         try:
-            action = machine.start()
-            while True:
-                answer: Any = None
-                match action:
-                    case _core.Settle(result, outcome, claim):
-                        _finish(span, outcome, claim, machine.attempt)
-                        return result
-                    case _core.Raise(error):
-                        raise error
-                    case _core.Pause(attempt):
-                        time.sleep(spec.retry.pause_before(attempt))
-                    case _core.Act(claim):
-                        failpoint("adapters.act.before")
-                        try:
-                            with _acting(claim):
-                                result = act()
-                        except Exception as exc:  # noqa: BLE001  (recorded by evidence)
-                            answer = _core.Raised(exc)
-                        except BaseException as exc:  # noqa: BLE001  (an interrupt: in doubt, re-raised)
-                            answer = _core.Interrupted(exc)
-                        else:
-                            failpoint("adapters.act.after")
-                            answer = _core.Succeeded(result)
-                    case _core.LeaveInDoubt(claim, error):
-                        _interrupted(spec.ledger, claim, error)
-                    case _:
-                        answer = _perform(spec, ident, call_args, action)
-                action = machine.send(answer)
+            yield span
         except BaseException as exc:
             _finish(span, _core.outcome_of(exc), None, machine.attempt)
             raise
+
+
+def _end(span: trace.Span, machine: _core.Attempts, end: _core.Settle | _core.Raise) -> Any:
+    """The call's result, or raise its error."""
+    if isinstance(end, _core.Raise):
+        raise end.error
+    _finish(span, end.outcome, end.claim, machine.attempt)
+    return end.result
+
+
+def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], Any]) -> Any:
+    """The sync driver."""
+    machine = _attempts(spec)
+    with _traced(spec, ident, machine) as span:
+        action = machine.start()
+        while not isinstance(action, _core.Settle | _core.Raise):
+            answer: Any = None
+            match action:
+                case _core.Pause(attempt):
+                    time.sleep(spec.retry.pause_before(attempt))
+                case _core.Act(claim):
+                    failpoint("adapters.act.before")
+                    try:
+                        with _acting(claim):
+                            result = act()
+                    except BaseException as exc:  # noqa: BLE001  (the core decides)
+                        answer = _core.acting_failed(exc)
+                    else:
+                        answer = _acted(result)
+                case _core.LeaveInDoubt(claim, error):
+                    _interrupted(spec.ledger, claim, error)
+                case _:
+                    answer = _perform(spec, ident, call_args, action)
+            action = machine.send(answer)
+        return _end(span, machine, action)
 
 
 async def _run_async(
@@ -399,47 +414,33 @@ async def _run_async(
             done.add_done_callback(functools.partial(_give_back_unused, ledger))
             raise
 
-    with _tracer.start_as_current_span(
-        f"execute_tool {spec.effect}", record_exception=False, set_status_on_exception=False
-    ) as span:
-        _start(span, spec, ident, ledger.key_id(ident))
-        try:
-            action = machine.start()
-            while True:
-                answer: Any = None
-                match action:
-                    case _core.Call():
-                        action = await blocking(action)
-                        continue
-                    case _core.Settle(result, outcome, claim):
-                        _finish(span, outcome, claim, machine.attempt)
-                        return result
-                    case _core.Raise(error):
-                        raise error
-                    case _core.Pause(attempt):
-                        await asyncio.sleep(spec.retry.pause_before(attempt))
-                    case _core.Act(claim):
-                        failpoint("adapters.act.before")
-                        try:
-                            with _acting(claim):
-                                result = await act()
-                        except Exception as exc:  # noqa: BLE001  (recorded by evidence)
-                            answer = _core.Raised(exc)
-                        except BaseException as exc:  # noqa: BLE001  (cancelled: in doubt, re-raised)
-                            answer = _core.Interrupted(exc)
-                        else:
-                            failpoint("adapters.act.after")
-                            answer = _core.Succeeded(result)
-                    case _core.LeaveInDoubt(claim, error):
-                        done = pool.submit(
-                            contextvars.copy_context().run, _interrupted, ledger, claim, error
-                        )
-                        with contextlib.suppress(asyncio.CancelledError):  # it finishes anyway
-                            await asyncio.shield(asyncio.wrap_future(done))
-                action = machine.send(answer)
-        except BaseException as exc:
-            _finish(span, _core.outcome_of(exc), None, machine.attempt)
-            raise
+    with _traced(spec, ident, machine) as span:
+        action = machine.start()
+        while not isinstance(action, _core.Settle | _core.Raise):
+            answer: Any = None
+            match action:
+                case _core.Call():
+                    action = await blocking(action)
+                    continue
+                case _core.Pause(attempt):
+                    await asyncio.sleep(spec.retry.pause_before(attempt))
+                case _core.Act(claim):
+                    failpoint("adapters.act.before")
+                    try:
+                        with _acting(claim):
+                            result = await act()
+                    except BaseException as exc:  # noqa: BLE001  (the core decides)
+                        answer = _core.acting_failed(exc)
+                    else:
+                        answer = _acted(result)
+                case _core.LeaveInDoubt(claim, error):
+                    done = pool.submit(
+                        contextvars.copy_context().run, _interrupted, ledger, claim, error
+                    )
+                    with contextlib.suppress(asyncio.CancelledError):  # it finishes anyway
+                        await asyncio.shield(asyncio.wrap_future(done))
+            action = machine.send(answer)
+        return _end(span, machine, action)
 
 
 def _give_back_unused(ledger: Ledger, done: concurrent.futures.Future[_core.Action]) -> None:

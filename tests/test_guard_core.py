@@ -441,3 +441,9 @@ def test_the_blocking_calls_are_the_ledger_probe_and_classifier_ones() -> None:
 def test_the_span_outcome_of_an_error(error: BaseException, outcome: str) -> None:
     assert core.outcome_of(error) == outcome
     assert core.Raise(error).outcome == outcome
+
+
+def test_an_exception_is_evidence_and_any_other_base_exception_an_interrupt() -> None:
+    error, interrupt = ValueError("x"), KeyboardInterrupt()
+    assert core.acting_failed(error) == core.Raised(error)
+    assert core.acting_failed(interrupt) == core.Interrupted(interrupt)
