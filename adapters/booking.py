@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import Any, Generic, TypedDict, TypeVar
 
 import httpx
 
-from onceonly.checkpoint.errors import OnceOnlyError
 from onceonly.ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
 
+from . import _http_outcome
 from .context import current_claim
 from .guard import Probe, RetryPolicy, guard
 
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 _FENCING_HEADER = "X-Onceonly-Fencing"
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_MAYBE_LATER = frozenset({408, 429})  # timed out, or throttled: not refused
 
 
 class Hold(TypedDict):
@@ -80,57 +81,38 @@ class Confirmation(TypedDict):
     client_reference: str
 
 
-class BookingRejected(OnceOnlyError):
-    """The provider refused definitely (a 4xx other than 408/429: taken, invalid, unknown).
+class BookingRejected(_http_outcome.AnswerError):
+    """The provider refused definitely (a 4xx other than 408/429: taken, invalid, unknown);
+    ``status`` and ``body`` (JSON if it parsed, else text) are its answer's."""
 
-    Attributes:
-        status: The HTTP status.
-        body: The response body (JSON if it parsed, else text).
-    """
-
-    def __init__(self, status: int, body: Any = None) -> None:
-        self.status = status
-        self.body = body
-        super().__init__(f"booking refused: HTTP {status}")
+    message = "booking refused: HTTP {status}"
 
 
-class BookingAmbiguous(OnceOnlyError):
-    """The provider answered, but not whether the request was applied (5xx, 408, 429).
+class BookingAmbiguous(_http_outcome.AnswerError):
+    """The provider answered, but not whether the request was applied (5xx, 408, 429);
+    ``status`` and ``body`` (JSON if it parsed, else text) are its answer's."""
 
-    Attributes:
-        status: The HTTP status.
-        body: The response body (JSON if it parsed, else text).
-    """
-
-    def __init__(self, status: int, body: Any = None) -> None:
-        self.status = status
-        self.body = body
-        super().__init__(f"booking answered HTTP {status}: outcome unknown")
+    message = "booking answered HTTP {status}: outcome unknown"
 
 
 def classify_booking(exc: BaseException) -> OutcomeClass:
     """The outcome of a failed booking request, by evidence."""
-    if isinstance(exc, _NOT_SENT):
-        return OutcomeClass.NOT_SENT
-    if isinstance(exc, BookingRejected):
-        return OutcomeClass.REJECTED
-    return OutcomeClass.AMBIGUOUS
+    return _http_outcome.classify(exc, BookingRejected)
 
 
 def _body(resp: httpx.Response) -> Any:
-    try:
-        return resp.json()
-    except ValueError:
-        return resp.text
+    return _http_outcome.body(resp, empty="")
 
 
 def _answer(resp: httpx.Response) -> dict[str, Any]:
-    """The JSON object of a 2xx answer, or the typed error of any other."""
+    """The JSON object of a 2xx answer, or the typed error of any other (a 2xx answer
+    that is not a JSON object says nothing certain)."""
     status = resp.status_code
     body = _body(resp)
-    if 200 <= status < 300 and isinstance(body, dict):
+    outcome = _http_outcome.status_outcome(status, ambiguous_4xx=_MAYBE_LATER)
+    if outcome is OutcomeClass.SUCCEEDED and isinstance(body, dict):
         return body
-    if 400 <= status < 500 and status not in (408, 429):
+    if outcome is OutcomeClass.REJECTED:
         raise BookingRejected(status, body)
     raise BookingAmbiguous(status, body)
 
@@ -165,6 +147,10 @@ def _evidence(
     return Evidence.HAPPENED, result(items[0])
 
 
+def _reference(record: EffectRecord) -> dict[str, str]:
+    return {"client_reference": record.provider_key}
+
+
 def _night(night: dt.date | str) -> str:
     return (
         night.isoformat()
@@ -177,17 +163,22 @@ def _headers() -> dict[str, str]:
     return {_FENCING_HEADER: current_claim().fencing_token}
 
 
-class _Base:
+_Client = TypeVar("_Client", bound=httpx.Client | httpx.AsyncClient)
+
+
+class _Base(Generic[_Client]):
     def __init__(
         self,
+        client: _Client,
         ledger: Ledger,
         *,
-        retry: RetryPolicy | None,
-        tenant: str,
-        subject: str | None,
-        reserve_effect: str,
-        confirm_effect: str,
+        retry: RetryPolicy | None = None,
+        tenant: str = "",
+        subject: str | None = None,
+        reserve_effect: str = "booking.reserve@1",
+        confirm_effect: str = "booking.confirm@1",
     ) -> None:
+        self.client: _Client = client
         self.ledger = ledger
         self.retry = retry
         self.tenant = tenant
@@ -211,7 +202,7 @@ class _Base:
         )
 
 
-class GuardedBooking(_Base):
+class GuardedBooking(_Base[httpx.Client]):
     """Holds and confirmations through an ``httpx.Client``, each once.
 
     Args:
@@ -224,27 +215,6 @@ class GuardedBooking(_Base):
         reserve_effect: ``name@version`` of the hold effect.
         confirm_effect: ``name@version`` of the confirmation effect.
     """
-
-    def __init__(
-        self,
-        client: httpx.Client,
-        ledger: Ledger,
-        *,
-        retry: RetryPolicy | None = None,
-        tenant: str = "",
-        subject: str | None = None,
-        reserve_effect: str = "booking.reserve@1",
-        confirm_effect: str = "booking.confirm@1",
-    ) -> None:
-        super().__init__(
-            ledger,
-            retry=retry,
-            tenant=tenant,
-            subject=subject,
-            reserve_effect=reserve_effect,
-            confirm_effect=confirm_effect,
-        )
-        self.client = client
 
     def reserve(self, room: str, night: dt.date | str, *, key: str | None = None) -> Hold:
         """Hold ``room`` for ``night`` once; later calls with the same key replay the hold.
@@ -298,41 +268,16 @@ class GuardedBooking(_Base):
         return result
 
     def _lookup(self, path: str, result: Callable[[dict[str, Any]], Any]) -> Probe:
-        def probe(record: EffectRecord) -> tuple[Evidence, Any]:
-            try:
-                resp = self.client.get(path, params={"client_reference": record.provider_key})
-            except httpx.HTTPError:
-                return Evidence.INCONCLUSIVE, None
-            return _evidence(resp, result)
+        def get(record: EffectRecord) -> httpx.Response:
+            return self.client.get(path, params=_reference(record))
 
-        return probe
+        return _http_outcome.lookup_probe(get, functools.partial(_evidence, result=result))
 
 
-class AsyncGuardedBooking(_Base):
+class AsyncGuardedBooking(_Base[httpx.AsyncClient]):
     """:class:`GuardedBooking` around an ``httpx.AsyncClient``. The lookup of an in-doubt
     request runs with the same client, on the caller's event loop, while the ledger's
     worker thread waits for it."""
-
-    def __init__(
-        self,
-        client: httpx.AsyncClient,
-        ledger: Ledger,
-        *,
-        retry: RetryPolicy | None = None,
-        tenant: str = "",
-        subject: str | None = None,
-        reserve_effect: str = "booking.reserve@1",
-        confirm_effect: str = "booking.confirm@1",
-    ) -> None:
-        super().__init__(
-            ledger,
-            retry=retry,
-            tenant=tenant,
-            subject=subject,
-            reserve_effect=reserve_effect,
-            confirm_effect=confirm_effect,
-        )
-        self.client = client
 
     async def reserve(self, room: str, night: dt.date | str, *, key: str | None = None) -> Hold:
         """Hold ``room`` for ``night`` once; see :meth:`GuardedBooking.reserve`."""
@@ -367,16 +312,8 @@ class AsyncGuardedBooking(_Base):
         result: Callable[[dict[str, Any]], Any],
         loop: asyncio.AbstractEventLoop,
     ) -> Probe:
-        async def get(record: EffectRecord) -> tuple[Evidence, Any]:
-            try:
-                params = {"client_reference": record.provider_key}
-                resp = await self.client.get(path, params=params)
-            except httpx.HTTPError:
-                return Evidence.INCONCLUSIVE, None
-            return _evidence(resp, result)
+        async def get(record: EffectRecord) -> httpx.Response:
+            return await self.client.get(path, params=_reference(record))
 
-        def probe(record: EffectRecord) -> tuple[Evidence, Any]:
-            # Called on the ledger's thread pool while the loop awaits it: run there.
-            return asyncio.run_coroutine_threadsafe(get(record), loop).result()
-
-        return probe
+        evidence = functools.partial(_evidence, result=result)
+        return _http_outcome.async_lookup_probe(get, evidence, loop)

@@ -28,7 +28,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -39,20 +39,18 @@ from onceonly.checkpoint.errors import ConfigurationError
 from onceonly.checkpoint.failpoints import failpoint
 from onceonly.ledger import (
     Claim,
-    EffectFailed,
     EffectIdentity,
     EffectInDoubt,
     EffectRecord,
-    EffectStatus,
     Evidence,
     KeyRecipe,
     Ledger,
     OutcomeClass,
     ProviderClass,
-    Replay,
     ResultUnknown,
 )
 
+from . import _guard_core as _core
 from .context import _acting, expect_key, explicit_identity, identity_for
 
 __all__ = ["DEFAULT_RETRY", "Probe", "RetryPolicy", "guard"]
@@ -108,14 +106,6 @@ DEFAULT_RETRY = RetryPolicy()
 """The guard's default: three attempts, pausing 0.05 s then 0.1 s. Only the re-sends the
 evidence allows are made (not sent; class A inside its window; class B proved not to
 have happened); a class C call whose outcome was lost is never re-sent."""
-
-
-class _Again(Exception):
-    """This attempt may be repeated with the same key; carries what it saw."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -226,13 +216,12 @@ def guard(
     return decorate
 
 
-# -- the attempt loop -----------------------------------------------------------------
+# -- the drivers ------------------------------------------------------------------------
 #
-# One loop, written once for both worlds: each attempt claims (or replays, or settles an
-# in-doubt entry by evidence), acts, and records the outcome by evidence. The sync and
-# async wrappers differ only in how they call the act and the ledger. No claim outlives
-# the attempt that took it: an ambiguous attempt leaves its entry UNKNOWN, and the next
-# attempt (after its pause) reconciles it into a re-send claim it sends under at once.
+# The attempt loop is decided once, by the I/O-free core in ``_guard_core``; the two
+# drivers below only carry its actions out. The sync driver makes every call inline; the
+# async driver awaits the act, and runs each run of blocking calls (ledger, probe,
+# classifier) on the ledger's thread pool in a copy of the caller's context.
 
 
 def _start(span: trace.Span, spec: _Spec, ident: EffectIdentity, key_id: str) -> None:
@@ -250,134 +239,65 @@ def _finish(span: trace.Span, outcome: str, claim: Claim | None, attempt: int) -
         span.set_attribute("onceonly.effect.epoch", claim.epoch)
 
 
-def _outcome_of(exc: BaseException) -> str:
-    """The span outcome of a call that ends with ``exc``."""
-    if isinstance(exc, EffectInDoubt) or not isinstance(exc, Exception):
-        return "in_doubt"  # an interrupt leaves the entry in doubt
-    if isinstance(exc, EffectFailed | ResultUnknown):
-        return "replayed"  # a recorded outcome, raised again
-    return "failed"
-
-
-class _Settled(Exception):
-    """An in-doubt entry was settled by evidence as happened: here is its result."""
-
-    def __init__(self, replay: Replay) -> None:
-        super().__init__("settled")
-        self.replay = replay
-
-
-def _claim(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim | Replay:
-    """A claim or a replay; raises :class:`_Settled` when reconciliation proved that an
-    in-doubt entry happened (or a probe found the result of one resolved without it),
-    :class:`_Again` when it proved it did not."""
-    try:
-        return spec.ledger.claim(
-            ident,
-            call_args,
-            provider_class=spec.provider_class,
-            window_s=spec.window_s,
-            subject=spec.subject,
-        )
-    except EffectInDoubt as doubt:
-        return _reconcile(spec, str(doubt.key_id), doubt)
-    except ResultUnknown as unknown:
-        raise _Settled(_learn_result(spec, unknown)) from None
-
-
-def _claim_settling(spec: _Spec, ident: EffectIdentity, call_args: Any) -> Claim | Replay:
-    """:func:`_claim`, claiming again at once when reconciliation proved that an in-doubt
-    entry did not happen: nothing was sent in this attempt, so it costs no retry."""
-    for _ in range(2):
-        try:
-            return _claim(spec, ident, call_args)
-        except _Again:
-            continue
-    return _claim(spec, ident, call_args)
-
-
-def _reconcile(spec: _Spec, key_id: str, cause: BaseException) -> Claim:
-    """Settle an in-doubt entry by evidence: a re-send claim (class A, window open: send
-    under it now), or raise :class:`_Settled` (happened), :class:`_Again` (did not
-    happen) or ``EffectInDoubt`` (no evidence)."""
-    ledger = spec.ledger
-    record = ledger.get(key_id)
-    if record.status is EffectStatus.NEEDS_HUMAN:
-        raise EffectInDoubt(key_id, record.status.value, record.provider_class.value) from cause
-    if spec.provider_class is ProviderClass.DEDUPLICATING:
-        moved = ledger.reconcile(key_id, Evidence.WINDOW_OPEN, actor="guard")
-    elif spec.probe is not None:
-        evidence, result = spec.probe(record)
-        moved = ledger.reconcile(key_id, evidence, result=result, actor="probe")
-    else:
-        moved = ledger.reconcile(key_id, Evidence.INCONCLUSIVE, actor="guard")
-    if isinstance(moved, Claim):
-        return moved
-    if moved.status is EffectStatus.COMMITTED:
-        raise _Settled(ledger.replay(key_id))
-    if moved.status is EffectStatus.NOT_HAPPENED:
-        raise _Again(cause)
-    raise EffectInDoubt(key_id, moved.status.value, moved.provider_class.value) from cause
-
-
-def _learn_result(spec: _Spec, unknown: ResultUnknown) -> Replay:
-    """An operator resolved the entry as happened without its result: ask the adapter's
-    probe for it, record what it found as an audited correction, and replay that.
-
-    Raises:
-        ResultUnknown: No probe, or the probe did not find the effect's result.
-    """
-    key_id = str(unknown.key_id)
-    if spec.probe is None:
-        raise unknown
-    ledger = spec.ledger
-    try:
-        evidence, result = spec.probe(ledger.get(key_id))
-    except Exception as exc:  # not asked is no answer: a person looks
-        raise ResultUnknown(key_id, f"the probe failed: {type(exc).__name__}") from exc
-    if Evidence(evidence) is not Evidence.HAPPENED:
-        raise ResultUnknown(key_id, f"the probe answered {Evidence(evidence).value}")
-    ledger.correct(
-        key_id,
-        result=result,
-        evidence="probe: the provider's result of the effect resolved as happened",
-        actor="probe",
+def _attempts(spec: _Spec) -> _core.Attempts:
+    return _core.Attempts(
+        provider_class=spec.provider_class,
+        has_probe=spec.probe is not None,
+        max_attempts=spec.retry.max_attempts,
     )
-    return ledger.replay(key_id)
 
 
-def _after_error(spec: _Spec, claim: Claim, exc: Exception, *, last: bool) -> _Again:
-    """Record a failed attempt by evidence; return the retry signal, or raise (the
-    original error when rejected; :class:`_Settled` / ``EffectInDoubt`` when the
-    in-doubt attempt was reconciled, or could not be re-sent)."""
+def _perform(spec: _Spec, ident: EffectIdentity, call_args: Any, call: _core.Call) -> Any:
+    """Carry out one blocking call of the core; returns its answer. Errors the core does
+    not take as evidence propagate (a store error ends the guarded call)."""
     ledger = spec.ledger
-    outcome = _classified(spec.classify, exc)
-    detail = type(exc).__name__
-    if outcome is OutcomeClass.NOT_SENT:
-        ledger.release(claim, detail, error=exc)
-        return _Again(exc)
-    if outcome is OutcomeClass.REJECTED:
-        ledger.fail(claim, type(exc).__name__, str(exc))
-        raise exc
-    ledger.mark_unknown(claim, detail, error=exc)
-    if spec.provider_class is ProviderClass.DEDUPLICATING:
-        if last:  # a re-send claim now would be left unused, blocking the next call
-            raise EffectInDoubt(
-                claim.key_id,
-                EffectStatus.UNKNOWN.value,
-                ProviderClass.DEDUPLICATING.value,
-                "no attempt left to re-send it; the next call re-sends it with the same key "
-                "while the provider's dedup window is open",
-            ) from exc
-        return _Again(exc)  # the next attempt re-sends it, after its pause
-    if spec.probe is not None and not last:
-        return _Again(exc)  # the next attempt asks the probe, after its pause
-    try:  # the last class B attempt asks its probe now; class C needs a human
-        unused = _reconcile(spec, claim.key_id, exc)
-    except _Again as again:  # proved not to have happened (the next call sends it)
-        return again
-    ledger.give_back(unused, "re-send claim not used")  # only class A re-sends
-    raise EffectInDoubt(unused.key_id, EffectStatus.UNKNOWN.value, spec.provider_class.value)
+    match call:
+        case _core.ClaimKey():
+            try:
+                return ledger.claim(
+                    ident,
+                    call_args,
+                    provider_class=spec.provider_class,
+                    window_s=spec.window_s,
+                    subject=spec.subject,
+                )
+            except (EffectInDoubt, ResultUnknown) as answer:
+                return answer
+        case _core.Look(key_id):
+            return ledger.get(key_id)
+        case _core.AskProbe(record):
+            evidence, result = cast(Probe, spec.probe)(record)
+            return evidence, result
+        case _core.AskProbeForResult(key_id):
+            try:
+                evidence, result = cast(Probe, spec.probe)(ledger.get(key_id))
+            except Exception as exc:  # noqa: BLE001  (no answer is evidence: a person looks)
+                return exc
+            return evidence, result
+        case _core.Reconcile(key_id, evidence, actor, result):
+            return ledger.reconcile(key_id, evidence, result=result, actor=actor)
+        case _core.ReadReplay(key_id):
+            return ledger.replay(key_id)
+        case _core.Correct(key_id, result):
+            return ledger.correct(
+                key_id,
+                result=result,
+                evidence="probe: the provider's result of the effect resolved as happened",
+                actor="probe",
+            )
+        case _core.Classify(error):
+            return _classified(spec.classify, error)
+        case _core.Release(claim, detail, error):
+            return ledger.release(claim, detail, error=error)
+        case _core.Fail(claim, error_type, message):
+            return ledger.fail(claim, error_type, message)
+        case _core.MarkUnknown(claim, detail, error):
+            return ledger.mark_unknown(claim, detail, error=error)
+        case _core.GiveBack(claim, reason):
+            return ledger.give_back(claim, reason)
+        case _core.Commit(claim, result):
+            return ledger.commit(claim, result)
+    raise TypeError(f"not a call of the guard's core: {call!r}")  # pragma: no cover
 
 
 def _classified(
@@ -407,57 +327,68 @@ def _interrupted(ledger: Ledger, claim: Claim, exc: BaseException) -> None:
         )
 
 
-def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], Any]) -> Any:
-    ledger = spec.ledger
-    attempts = spec.retry.max_attempts
+def _acted(result: Any) -> _core.Succeeded:
+    """The evidence of a guarded call that returned ``result`` (past the crash point
+    between acting and recording)."""
+    failpoint("adapters.act.after")
+    return _core.Succeeded(result)
+
+
+@contextlib.contextmanager
+def _traced(spec: _Spec, ident: EffectIdentity, machine: _core.Attempts) -> Iterator[trace.Span]:
+    """The call's span; a call that ends with an error is finished by it."""
     with _tracer.start_as_current_span(
         f"execute_tool {spec.effect}", record_exception=False, set_status_on_exception=False
     ) as span:
-        _start(span, spec, ident, ledger.key_id(ident))
-        attempt = 0
-        last: BaseException | None = None
+        _start(span, spec, ident, spec.ledger.key_id(ident))
         try:
-            for attempt in range(1, attempts + 1):
-                if attempt > 1:
-                    time.sleep(spec.retry.pause_before(attempt))
-                try:
-                    out = _claim_settling(spec, ident, call_args)
-                except _Again as again:  # reconciled as not happened: claim anew
-                    last = again.cause
-                    continue
-                if isinstance(out, Replay):
-                    _finish(span, "replayed", None, attempt)
-                    return out.result
-                failpoint("adapters.act.before")
-                try:
-                    with _acting(out):
-                        result = act()
-                except Exception as exc:  # noqa: BLE001  (recorded by evidence)
-                    last = _after_error(spec, out, exc, last=attempt == attempts).cause
-                    continue
-                except BaseException as exc:  # an interrupt: in doubt, and stop
-                    _interrupted(ledger, out, exc)
-                    raise
-                failpoint("adapters.act.after")
-                ledger.commit(out, result)
-                _finish(span, "executed", out, attempt)
-                return result
-        except _Settled as settled:
-            _finish(span, "reconciled", None, attempt)
-            return settled.replay.result
+            yield span
         except BaseException as exc:
-            _finish(span, _outcome_of(exc), None, attempt)
+            _finish(span, _core.outcome_of(exc), None, machine.attempt)
             raise
-        _finish(span, _outcome_of(last) if last is not None else "failed", None, attempt)
-        assert last is not None
-        raise last
+
+
+def _end(span: trace.Span, machine: _core.Attempts, end: _core.Settle | _core.Raise) -> Any:
+    """The call's result, or raise its error."""
+    if isinstance(end, _core.Raise):
+        raise end.error
+    _finish(span, end.outcome, end.claim, machine.attempt)
+    return end.result
+
+
+def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], Any]) -> Any:
+    """The sync driver."""
+    machine = _attempts(spec)
+    with _traced(spec, ident, machine) as span:
+        action = machine.start()
+        while not isinstance(action, _core.Settle | _core.Raise):
+            answer: Any = None
+            match action:
+                case _core.Pause(attempt):
+                    time.sleep(spec.retry.pause_before(attempt))
+                case _core.Act(claim):
+                    failpoint("adapters.act.before")
+                    try:
+                        with _acting(claim):
+                            result = act()
+                    except BaseException as exc:  # noqa: BLE001  (the core decides)
+                        answer = _core.acting_failed(exc)
+                    else:
+                        answer = _acted(result)
+                case _core.LeaveInDoubt(claim, error):
+                    _interrupted(spec.ledger, claim, error)
+                case _:
+                    answer = _perform(spec, ident, call_args, action)
+            action = machine.send(answer)
+        return _end(span, machine, action)
 
 
 async def _run_async(
     spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], Awaitable[Any]]
 ) -> Any:
-    """The same loop for coroutines; ledger calls run on the ledger's thread pool, each in
-    a copy of the caller's context (context variables reach the ledger).
+    """The async driver: the same core; each run of blocking calls goes to the ledger's
+    thread pool at once, in a copy of the caller's context (context variables reach the
+    ledger).
 
     A cancellation is an interrupt: while acting, the entry is left in doubt as if the
     process had been killed; while a claim is being recorded, the claim is given back
@@ -465,73 +396,57 @@ async def _run_async(
     """
     ledger = spec.ledger
     pool = ledger.executor()
-    attempts = spec.retry.max_attempts
+    machine = _attempts(spec)
 
-    async def call(fn: Callable[[], Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(pool, contextvars.copy_context().run, fn)
+    def calls(action: _core.Action) -> _core.Action:
+        while isinstance(action, _core.Call):
+            action = machine.send(_perform(spec, ident, call_args, action))
+        return action
 
-    async def claim() -> Claim | Replay:
-        done = pool.submit(contextvars.copy_context().run, _claim_settling, spec, ident, call_args)
-        try:
+    async def blocking(action: _core.Action) -> _core.Action:
+        run = contextvars.copy_context().run
+        if not isinstance(action, _core.ClaimKey):
+            return await asyncio.get_running_loop().run_in_executor(pool, run, calls, action)
+        done = pool.submit(run, calls, action)
+        try:  # the claim is recorded even if we are cancelled meanwhile
             return await asyncio.shield(asyncio.wrap_future(done))
         except asyncio.CancelledError:
             done.add_done_callback(functools.partial(_give_back_unused, ledger))
             raise
 
-    with _tracer.start_as_current_span(
-        f"execute_tool {spec.effect}", record_exception=False, set_status_on_exception=False
-    ) as span:
-        _start(span, spec, ident, ledger.key_id(ident))
-        attempt = 0
-        last: BaseException | None = None
-        try:
-            for attempt in range(1, attempts + 1):
-                if attempt > 1:
+    with _traced(spec, ident, machine) as span:
+        action = machine.start()
+        while not isinstance(action, _core.Settle | _core.Raise):
+            answer: Any = None
+            match action:
+                case _core.Call():
+                    action = await blocking(action)
+                    continue
+                case _core.Pause(attempt):
                     await asyncio.sleep(spec.retry.pause_before(attempt))
-                try:
-                    out = await claim()
-                except _Again as again:
-                    last = again.cause
-                    continue
-                if isinstance(out, Replay):
-                    _finish(span, "replayed", None, attempt)
-                    return out.result
-                failpoint("adapters.act.before")
-                try:
-                    with _acting(out):
-                        result = await act()
-                except Exception as exc:  # noqa: BLE001  (recorded by evidence)
-                    final = attempt == attempts
-                    after = functools.partial(_after_error, spec, out, exc, last=final)
-                    last = (await call(after)).cause
-                    continue
-                except BaseException as exc:  # cancelled or interrupted: in doubt, and stop
+                case _core.Act(claim):
+                    failpoint("adapters.act.before")
+                    try:
+                        with _acting(claim):
+                            result = await act()
+                    except BaseException as exc:  # noqa: BLE001  (the core decides)
+                        answer = _core.acting_failed(exc)
+                    else:
+                        answer = _acted(result)
+                case _core.LeaveInDoubt(claim, error):
                     done = pool.submit(
-                        contextvars.copy_context().run, _interrupted, ledger, out, exc
+                        contextvars.copy_context().run, _interrupted, ledger, claim, error
                     )
                     with contextlib.suppress(asyncio.CancelledError):  # it finishes anyway
                         await asyncio.shield(asyncio.wrap_future(done))
-                    raise
-                failpoint("adapters.act.after")
-                await call(functools.partial(ledger.commit, out, result))
-                _finish(span, "executed", out, attempt)
-                return result
-        except _Settled as settled:
-            _finish(span, "reconciled", None, attempt)
-            return settled.replay.result
-        except BaseException as exc:
-            _finish(span, _outcome_of(exc), None, attempt)
-            raise
-        _finish(span, _outcome_of(last) if last is not None else "failed", None, attempt)
-        assert last is not None
-        raise last
+            action = machine.send(answer)
+        return _end(span, machine, action)
 
 
-def _give_back_unused(ledger: Ledger, done: concurrent.futures.Future[Claim | Replay]) -> None:
+def _give_back_unused(ledger: Ledger, done: concurrent.futures.Future[_core.Action]) -> None:
     """A claim recorded for a task that was cancelled meanwhile: nothing was sent."""
     if done.cancelled() or done.exception() is not None:
         return
     out = done.result()
-    if isinstance(out, Claim):
-        ledger.give_back(out, "cancelled before acting")
+    if isinstance(out, _core.Act):
+        ledger.give_back(out.claim, "cancelled before acting")

@@ -25,9 +25,10 @@ from typing import Any
 
 import httpx
 
-from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
+from onceonly.checkpoint.errors import ConfigurationError
 from onceonly.ledger import EffectRecord, Evidence, Ledger, OutcomeClass, ProviderClass
 
+from . import _http_outcome
 from .context import current_claim
 from .guard import Probe, RetryPolicy, guard
 
@@ -48,7 +49,7 @@ _FENCING_HEADER = "X-Onceonly-Fencing"
 _IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 
-class HTTPRejected(OnceOnlyError):
+class HTTPRejected(_http_outcome.AnswerError):
     """The provider refused the request definitely (4xx other than 409).
 
     Attributes:
@@ -56,13 +57,10 @@ class HTTPRejected(OnceOnlyError):
         body: The response body (JSON if it parsed, else text).
     """
 
-    def __init__(self, status: int, body: Any = None) -> None:
-        self.status = status
-        self.body = body
-        super().__init__(f"HTTP {status} rejected")
+    message = "HTTP {status} rejected"
 
 
-class HTTPAmbiguous(OnceOnlyError):
+class HTTPAmbiguous(_http_outcome.AnswerError):
     """The provider answered, but the answer does not say whether the effect happened
     (409 still in flight, 5xx, or an unexpected status).
 
@@ -71,41 +69,26 @@ class HTTPAmbiguous(OnceOnlyError):
         body: The response body (JSON if it parsed, else text).
     """
 
-    def __init__(self, status: int, body: Any = None) -> None:
-        self.status = status
-        self.body = body
-        super().__init__(f"HTTP {status}: outcome unknown")
+    message = "HTTP {status}: outcome unknown"
 
 
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_IN_FLIGHT = frozenset({409})  # the provider is still working on our key
 
 
 def classify_http(exc: BaseException) -> OutcomeClass:
     """The outcome of a failed request, by evidence."""
-    if isinstance(exc, _NOT_SENT):
-        return OutcomeClass.NOT_SENT
-    if isinstance(exc, HTTPRejected):
-        return OutcomeClass.REJECTED
-    return OutcomeClass.AMBIGUOUS
-
-
-def _body(resp: httpx.Response) -> Any:
-    if not resp.content:
-        return None
-    try:
-        return resp.json()
-    except ValueError:
-        return resp.text
+    return _http_outcome.classify(exc, HTTPRejected)
 
 
 def _outcome(resp: httpx.Response) -> dict[str, Any]:
     """The recorded result of a 2xx answer, or the typed error of any other."""
     status = resp.status_code
-    if 200 <= status < 300:
-        return {"status": status, "json": _body(resp)}
-    if 400 <= status < 500 and status != 409:
-        raise HTTPRejected(status, _body(resp))
-    raise HTTPAmbiguous(status, _body(resp))
+    outcome = _http_outcome.status_outcome(status, ambiguous_4xx=_IN_FLIGHT)
+    if outcome is OutcomeClass.SUCCEEDED:
+        return {"status": status, "json": _http_outcome.body(resp)}
+    if outcome is OutcomeClass.REJECTED:
+        raise HTTPRejected(status, _http_outcome.body(resp))
+    raise HTTPAmbiguous(status, _http_outcome.body(resp))
 
 
 def _headers(extra: dict[str, str] | None) -> dict[str, str]:
@@ -130,7 +113,7 @@ def _probe_fence(record: EffectRecord) -> dict[str, str]:
 
 def _evidence(resp: httpx.Response) -> tuple[Evidence, Any]:
     if 200 <= resp.status_code < 300:
-        return Evidence.HAPPENED, {"status": resp.status_code, "json": _body(resp)}
+        return Evidence.HAPPENED, {"status": resp.status_code, "json": _http_outcome.body(resp)}
     if resp.status_code in (404, 410):
         return Evidence.NOT_HAPPENED, None
     return Evidence.INCONCLUSIVE, None
@@ -169,14 +152,10 @@ class GuardedHTTP:
             return lookup
         template = lookup
 
-        def probe(record: EffectRecord) -> tuple[Evidence, Any]:
-            try:
-                resp = self.client.get(_lookup_url(template, record), headers=_probe_fence(record))
-            except httpx.HTTPError:
-                return Evidence.INCONCLUSIVE, None
-            return _evidence(resp)
+        def get(record: EffectRecord) -> httpx.Response:
+            return self.client.get(_lookup_url(template, record), headers=_probe_fence(record))
 
-        return probe
+        return _http_outcome.lookup_probe(get, _evidence)
 
     def request(
         self,
@@ -257,20 +236,12 @@ class AsyncGuardedHTTP:
             return lookup
         template = lookup
 
-        async def get(record: EffectRecord) -> tuple[Evidence, Any]:
-            try:
-                resp = await self.client.get(
-                    _lookup_url(template, record), headers=_probe_fence(record)
-                )
-            except httpx.HTTPError:
-                return Evidence.INCONCLUSIVE, None
-            return _evidence(resp)
+        async def get(record: EffectRecord) -> httpx.Response:
+            return await self.client.get(
+                _lookup_url(template, record), headers=_probe_fence(record)
+            )
 
-        def probe(record: EffectRecord) -> tuple[Evidence, Any]:
-            # Called on the ledger's thread pool while the loop awaits it: run there.
-            return asyncio.run_coroutine_threadsafe(get(record), loop).result()
-
-        return probe
+        return _http_outcome.async_lookup_probe(get, _evidence, loop)
 
     async def request(
         self,

@@ -1,74 +1,21 @@
-"""A LangGraph checkpointer on onceonly's checkpoint core (the ``onceonly[langgraph]`` extra).
-
-Swap LangGraph's checkpointer for :class:`OnceOnlySaver` and a graph's checkpoints get
-compact storage (deltas and keyframes, content-addressed blobs), integrity checks on
-every read, and live in the same database as the effects ledger::
-
-    saver = OnceOnlySaver.from_url("sqlite:///agent.db")
-    graph = builder.compile(checkpointer=saver)
-    graph.invoke(inputs, {"configurable": {"thread_id": "t-1"}})
-
-**What is stored how.** Each ``(thread_id, checkpoint_ns)`` is one run of the checkpoint
-core, and each LangGraph checkpoint one checkpoint of that run whose state is the
-checkpoint's ``channel_values``: a channel unchanged since the previous checkpoint costs
-nothing, a dict channel costs the keys that changed, a list channel (messages) the
-appended items; every so often a keyframe stores the whole state, large dicts split into
-pages and long lists into sealed chunks, each a content-addressed (blake3) blob shared by
-every checkpoint that refers to it. Values are stored in onceonly's canonical codec where
-it is exact (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, and lists, tuples
-and string-keyed dicts of them); every other value inside them (LangChain messages,
-Pydantic models, LangGraph's markers) is serialised by the saver's ``serde`` and its
-bytes stored inside the canonical JSON, so a list of messages is still stored message by
-message. The rest of a checkpoint (id, parent, timestamp, channel versions, versions seen)
-and its metadata are one record row, pending writes one row each (tables ``oo_lg_*``,
-schema component ``langgraph``).
-
-**Integrity.** Every row carries a digest (accidents) and, with integrity keys, a keyed
-seal (deliberate edits): thread rows, checkpoint records, pending writes here, and the
-store's runs and checkpoints under them (:mod:`checkpoint.integrity`). The keys come from
-the keyring (``keyring=``, else ``ONCEONLY_SECRETS``); a saver without them must be asked
-for (``unkeyed=True``) and says what it cannot detect (:attr:`OnceOnlySaver.integrity_note`).
-Seals are checked before anything of a row is decoded. A row, delta, blob or write that
-fails a check raises :class:`~checkpoint.CorruptRecord` and is never returned.
-
-**No code from stored bytes.** The default ``serde`` is :class:`StrictSerializer`:
-LangGraph's encoding, and a decoder that builds only allow-listed types (LangChain
-messages, LangGraph's markers, the types you register) and refuses any other with
-:class:`UnregisteredType` before anything is constructed.
-
-**Durability.** :meth:`OnceOnlySaver.from_url` opens its own store and commits each
-``put`` (the channel values and the checkpoint record) in one transaction, durable when
-``put`` returns. Around a store you pass in, ``put`` follows that store's durability mode
-(``sync``: values first, then the record; a record is never written for values that are
-not there).
-
-**Deletion.** ``delete_thread``, ``prune`` and ``delete_for_runs`` rewrite or drop the
-affected namespaces' store runs, so deleted channel values and the blobs only they used
-are removed from the database, not merely hidden.
-
-LangGraph is imported by this module: import it only with the extra installed
-(``import adapters`` does not import it).
+"""The saver's storage: LangGraph checkpoints and pending writes as rows of the saver's
+tables over runs of the checkpoint store, written once. :class:`OnceOnlySaver` is the
+sync and async face over it, and funnels every call through its one worker thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import builtins
-import os
-import random
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     WRITES_IDX_MAP,
-    BaseCheckpointSaver,
     ChannelVersions,
     Checkpoint,
     CheckpointMetadata,
@@ -78,311 +25,71 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
+from onceonly.adapters import _langgraph_schema as _schema
+from onceonly.adapters._langgraph_values import pack, register, seal, unpack, unseal
 from onceonly.checkpoint import (
     CheckpointNotFound,
     Codec,
     ConcurrentWrite,
     ConfigurationError,
     CorruptRecord,
-    Durability,
     Handoff,
-    KeyframePolicy,
-    OnceOnlyError,
     RowKeys,
     RunNotFound,
     Store,
-    ensure_schema,
 )
-from onceonly.ledger import Keyring
 
-from . import _langgraph_schema as _schema
-from ._langgraph_serde import StrictSerializer, UnregisteredType
-from ._langgraph_values import pack, register, seal, unpack, unseal
-
-__all__ = ["OnceOnlySaver", "StrictSerializer", "UnregisteredType", "copy_threads", "migrate"]
-
-migrate = _schema.migrate
-
-T = TypeVar("T")
-_FLOW = "langgraph"
-_RUN_CACHE = 4096
-_ATTEMPTS = 3
-_CK_COLS = (
-    "thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, run_id, seq, lg_run_id, "
-    "record, digest, seal"
-)
-_WRITE_COLS = "task_id, idx, channel, task_path, value, digest, seal"
-
-
-class _Stale(OnceOnlyError):
-    """The store run this process remembered for a namespace is gone (deleted or
-    rewritten by another saver): look it up again."""
-
-
-@dataclass(frozen=True)
-class _Row:
-    thread_id: str
-    checkpoint_ns: str
-    checkpoint_id: str
-    parent_checkpoint_id: str | None
-    run_id: str
-    seq: int
-    lg_run_id: str | None
-    record: bytes
-    digest: bytes
-    seal: bytes | None
-
-    @classmethod
-    def of(cls, r: Sequence[Any]) -> _Row:
-        return cls(
-            str(r[0]),
-            str(r[1]),
-            str(r[2]),
-            None if r[3] is None else str(r[3]),
-            str(r[4]),
-            int(r[5]),
-            None if r[6] is None else str(r[6]),
-            bytes(r[7]),
-            bytes(r[8]),
-            None if r[9] is None else bytes(r[9]),
-        )
-
-    def parts(self) -> list[object]:
-        return _schema.checkpoint_parts(
-            self.thread_id,
-            self.checkpoint_ns,
-            self.checkpoint_id,
-            self.parent_checkpoint_id,
-            self.run_id,
-            self.seq,
-            self.lg_run_id,
-            self.record,
-        )
-
-
-def _row_keys(keyring: Keyring | None, *, unkeyed: bool) -> RowKeys | None:
-    """The keys a saver seals with: the keyring's, else ``ONCEONLY_SECRETS``'s; none
-    only when asked for (``unkeyed``).
-
-    Raises:
-        ConfigurationError: No keyring, no ``ONCEONLY_SECRETS`` and not ``unkeyed``; or a
-            keyring and ``unkeyed`` both; or ``ONCEONLY_SECRETS`` is malformed.
-    """
-    if keyring is not None and unkeyed:
-        raise ConfigurationError("OnceOnlySaver: pass a keyring or unkeyed=True, not both")
-    if keyring is not None:
-        return keyring.row_keys()
-    if unkeyed:
-        return None
-    if os.environ.get("ONCEONLY_SECRETS"):
-        return Keyring.from_env().row_keys()
-    raise ConfigurationError(_NO_KEYS)
-
-
-_NO_KEYS = (
-    "OnceOnlySaver: no integrity keys. Set ONCEONLY_SECRETS (as for the ledger), pass "
-    "keyring=Keyring(...), or give it a store opened with integrity keys; or pass "
-    "unkeyed=True to run without them: then a checkpoint, write or thread row edited by "
-    "someone who recomputes its unkeyed digest is not detected"
+from ._rows import (
+    _ATTEMPTS,
+    _CK_COLS,
+    _FLOW,
+    _RUN_CACHE,
+    _WRITE_COLS,
+    _conf,
+    _Row,
+    _Stale,
 )
 
 
-def _conf(config: RunnableConfig) -> dict[str, Any]:
-    return config.get("configurable") or {}
-
-
-class OnceOnlySaver(BaseCheckpointSaver[str]):
-    """LangGraph's ``BaseCheckpointSaver`` on onceonly's checkpoint core (SQLite or
-    PostgreSQL).
-
-    Implements the sync methods (``get_tuple``, ``list``, ``put``, ``put_writes``,
-    ``delete_thread``, ``delete_for_runs``, ``copy_thread``, ``prune``) and their async
-    twins. Every call runs on the saver's one worker thread (the async ones await it):
-    safe to share between threads and event loops; calls on one saver are serialised.
+class Storage:
+    """One saver's storage logic on ``store``.
 
     Args:
-        store: The checkpoint store (shared with a ``Ledger`` if you like: the ledger
-            gives it its keyring's keys). The saver creates its tables there when the
-            database has none.
-        serde: The serializer for values the codec cannot store exactly (default:
-            :class:`StrictSerializer`, which builds only allow-listed types; register
-            yours with ``StrictSerializer(allow=[...])``). A permissive serializer
-            (LangGraph's ``JsonPlusSerializer``) builds whatever a stored value names.
-        create: Create the saver's tables in a database without them (an older schema
-            is never migrated implicitly: run ``onceonly migrate --langgraph``).
-        keyring: Seal and check rows with this keyring's row keys (attached to
-            ``store``). Default: the store's keys, else ``ONCEONLY_SECRETS``'s.
-        unkeyed: Accept a store without integrity keys (``ONCEONLY_SECRETS`` is then not
-            read; :attr:`integrity_note` says what is not detected).
-
-    Raises:
-        ConfigurationError: No integrity keys and not ``unkeyed``; or ``store`` already
-            seals with other keys than ``keyring``'s.
-        SchemaVersionError: The saver's tables are older or newer than this code.
+        store: The checkpoint store (its tables and the saver's already exist).
+        serde: The serializer for values the codec cannot store exactly.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        serde: SerializerProtocol | None = None,
-        create: bool = True,
-        keyring: Keyring | None = None,
-        unkeyed: bool = False,
-    ) -> None:
-        super().__init__(serde=serde or StrictSerializer())
-        if keyring is not None or store.integrity is None:
-            keys = _row_keys(keyring, unkeyed=unkeyed)
-            if keys is not None:
-                store.attach_integrity(keys)
-        ensure_schema(store.engine, _schema.COMPONENT, _schema.LANGGRAPH_MIGRATIONS, create=create)
-        register(store.codec)
+    def __init__(self, store: Store, serde: SerializerProtocol) -> None:
         self.store = store
+        self.serde = serde
         self._codec = Codec()
         register(self._codec)
         self._q = store.param
         self._lock = threading.RLock()
         self._runs: OrderedDict[tuple[str, str], str] = OrderedDict()
-        self._owns_store = False
-        self._worker_ident: int | None = None
-        self._worker = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="onceonly-langgraph", initializer=self._mark
-        )
-
-    def _mark(self) -> None:
-        self._worker_ident = threading.get_ident()
 
     @property
-    def _keys(self) -> RowKeys | None:
-        # The store's, read at each use: a Ledger given the same store later attaches its
-        # keyring's keys there.
+    def keys(self) -> RowKeys | None:
+        """The store's row keys, read at each use: a Ledger given the same store later
+        attaches its keyring's keys there."""
         return self.store.integrity
 
-    @property
-    def integrity_note(self) -> str | None:
-        """What this saver cannot detect (None when it seals and checks its rows)."""
-        return None if self._keys is not None else _schema.UNKEYED_LIMITS
-
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        keyring: Keyring | None = None,
-        unkeyed: bool = False,
-        serde: SerializerProtocol | None = None,
-        keyframes: KeyframePolicy | None = None,
-        create: bool = True,
-        busy_timeout_ms: int = 5000,
-    ) -> OnceOnlySaver:
-        """Open a saver on its own store (closed by :meth:`close`).
-
-        Each ``put`` commits the checkpoint's values and its record in one transaction.
-
-        Args:
-            url: ``sqlite:///path`` or ``postgresql+psycopg://...``.
-            keyring: The keyring whose row keys seal and check every row (default:
-                ``Keyring.from_env()`` when ``ONCEONLY_SECRETS`` is set).
-            unkeyed: Run without integrity keys (``ONCEONLY_SECRETS`` is then not read):
-                accidental corruption is still detected, deliberate edits are not
-                (:attr:`integrity_note`).
-            serde: As in the constructor.
-            keyframes: When the store writes a full keyframe instead of a delta.
-            create: Create the schema in an empty database.
-            busy_timeout_ms: How long a SQLite writer waits for the lock.
-
-        Raises:
-            ConfigurationError: No keyring, ``ONCEONLY_SECRETS`` unset and not
-                ``unkeyed``; or as :meth:`checkpoint.Store.open`.
-            DatabaseUnavailable / SchemaVersionError: As :meth:`checkpoint.Store.open`.
-        """
-        keys = _row_keys(keyring, unkeyed=unkeyed)
-        # "exit" durability: a put's values wait in memory for the transaction that
-        # writes its record, so both commit together (put holds the lock throughout).
-        store = Store.open(
-            url,
-            durability=Durability.EXIT,
-            keyframes=keyframes,
-            create=create,
-            busy_timeout_ms=busy_timeout_ms,
-            integrity=keys,
-        )
-        try:
-            saver = cls(store, serde=serde, create=create, unkeyed=keys is None)
-        except BaseException:
-            store.close()
-            raise
-        saver._owns_store = True
-        return saver
-
-    def seal_unsealed(self) -> int:
-        """Seal every row written before sealing (or by an unkeyed saver) as it stands:
-        the saver's rows, and the store's runs, checkpoints and waits. An operator's
-        decision to trust the current contents, taken once after checking them (an
-        upgraded database: ``onceonly migrate --langgraph``, then this).
-
-        Returns:
-            How many rows were sealed.
-
-        Raises:
-            ConfigurationError: The saver has no integrity keys.
-            CorruptRecord: An unsealed saver row fails its digest (none was sealed).
-        """
-        keys = self._keys
-        if keys is None:
-            raise ConfigurationError(f"nothing to seal with: {_schema.UNKEYED_LIMITS}")
-
-        def work() -> int:
-            with self._lock:
-                return _schema.seal_unsealed(self.store, keys) + self.store.seal_unsealed()
-
-        return self._call(work)
-
-    def close(self) -> None:
-        """Stop the saver's worker thread; close the store if this saver opened it
-        (:meth:`from_url`)."""
-        self._worker.shutdown(wait=True)
-        if self._owns_store:
-            self.store.close()
-
-    def __enter__(self) -> OnceOnlySaver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- versions ----------------------------------------------------------------------
-    def get_next_version(self, current: str | int | float | None, channel: None) -> str:
-        """The next channel version, in the format of LangGraph's SQL savers
-        (``"<32-digit counter>.<16-digit random>"``), so threads copied from them keep
-        comparable versions."""
-        if current is None:
-            n = 0
-        elif isinstance(current, int | float):
-            n = int(current)
-        else:
-            n = int(str(current).split(".")[0])
-        # Not security: a tie-break between versions, as LangGraph's savers do.
-        return f"{n + 1:032}.{random.random():016}"  # noqa: S311
+    def seal_unsealed(self, keys: RowKeys) -> int:
+        """Seal the saver's unsealed rows and the store's (see
+        :meth:`OnceOnlySaver.seal_unsealed`)."""
+        with self._lock:
+            return _schema.seal_unsealed(self.store, keys) + self.store.seal_unsealed()
 
     # -- write -------------------------------------------------------------------------
-    def _put(
+    def put(
         self,
         config: RunnableConfig,
         checkpoint: Checkpoint,
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        """Store a checkpoint (its channel values as a delta on the namespace's previous
-        checkpoint) with its metadata.
-
-        Returns:
-            The config of the stored checkpoint.
-
-        Raises:
-            CodecError: A value can be stored neither by the codec nor by the serde.
-            StoreError: The database refused; nothing of the checkpoint is visible.
-        """
+        """:meth:`OnceOnlySaver.put`: the channel values as a delta on the namespace's
+        previous checkpoint, and the record; nothing is visible if the database refuses."""
         conf = _conf(config)
         thread_id = str(conf["thread_id"])
         ns = str(conf.get("checkpoint_ns", ""))
@@ -416,7 +123,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
                         raise
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": cid}}
 
-    def _put_writes(
+    def put_writes(
         self,
         config: RunnableConfig,
         writes: Sequence[tuple[str, Any]],
@@ -447,7 +154,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             self.store.transact(lambda cur: cur.executemany(sql, rows))
 
     # -- read --------------------------------------------------------------------------
-    def _get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint ``config`` names, or the namespace's latest without a
         ``checkpoint_id``; ``None`` when there is none.
 
@@ -486,23 +193,15 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
                 return None
             return self._tuple(row, writes)
 
-    def list(
+    def list_rows(
         self,
         config: RunnableConfig | None,
-        *,
-        filter: dict[str, Any] | None = None,
-        before: RunnableConfig | None = None,
-        limit: int | None = None,
-    ) -> Iterator[CheckpointTuple]:
-        """Checkpoints newest first (by checkpoint id), of one thread (and namespace,
-        if ``config`` names one), or of every thread when ``config`` is ``None``.
-
-        Args:
-            config: Which thread / namespace / checkpoint.
-            filter: Metadata keys and the values they must equal.
-            before: Only checkpoints older than this one.
-            limit: At most this many.
-        """
+        filter: dict[str, Any] | None,
+        before: RunnableConfig | None,
+        limit: int | None,
+    ) -> builtins.list[_Row]:
+        """The record rows :meth:`OnceOnlySaver.list` reads, newest first; with a
+        ``filter``, not yet filtered (nor limited)."""
         q = self._q
         where: list[str] = []
         params: list[Any] = []
@@ -531,20 +230,9 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             cur.execute(sql, params)
             return [_Row.of(r) for r in cur.fetchall()]
 
-        rows = self._call(self.store.read, read)
-        if limit is not None and limit <= 0:
-            return
-        n = 0
-        for row in rows:
-            tup = self._call(self._list_item, row, filter)
-            if tup is None:
-                continue
-            yield tup
-            n += 1
-            if limit is not None and n >= limit:
-                return
+        return self.store.read(read)
 
-    def _list_item(self, row: _Row, filter: dict[str, Any] | None) -> CheckpointTuple | None:
+    def list_item(self, row: _Row, filter: dict[str, Any] | None) -> CheckpointTuple | None:
         if filter:
             md = self._record(row)["m"]
             if not all(k in md and md[k] == v for k, v in filter.items()):
@@ -554,7 +242,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             return self._tuple(row, writes)
 
     # -- delete, copy, prune -----------------------------------------------------------
-    def _delete_thread(self, thread_id: str) -> None:
+    def delete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint and write of a thread (all namespaces), with the
         channel values and the blobs only they used."""
         tid = str(thread_id)
@@ -575,7 +263,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             self.store.transact(delete)
             self._forget(lambda key: key[0] == tid)
 
-    def _delete_for_runs(self, run_ids: Sequence[str]) -> None:
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints (and their writes) whose metadata names one of
         ``run_ids``; the namespaces they were in are rewritten without their values."""
         ids = sorted({str(r) for r in run_ids})
@@ -599,7 +287,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
                     thread_id, ns, lambda rows: [r for r in rows if r.lg_run_id not in gone]
                 )
 
-    def _prune(self, thread_ids: Sequence[str], strategy: str) -> None:
+    def prune(self, thread_ids: Sequence[str], strategy: str) -> None:
         """Prune threads: ``"keep_latest"`` keeps the newest checkpoint of each
         namespace (and its writes), stored afresh as a keyframe; ``"delete"`` deletes
         the threads.
@@ -615,7 +303,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         for thread_id in thread_ids:
             tid = str(thread_id)
             if strategy == "delete":
-                self._delete_thread(tid)
+                self.delete_thread(tid)
                 continue
 
             def namespaces(cur: Any, tid: str = tid) -> list[str]:
@@ -629,7 +317,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
                 for ns in self.store.read(namespaces):
                     self._rewrite(tid, ns, lambda rows: [max(rows, key=lambda r: r.checkpoint_id)])
 
-    def _copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Copy every checkpoint (all namespaces, same ids) and write of a thread to
         another thread. A source without checkpoints copies nothing."""
         src, dst = str(source_thread_id), str(target_thread_id)
@@ -694,141 +382,6 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
                 self._forget(lambda key: key[0] == dst)
                 raise
 
-    # -- the public API: every store call runs on the saver's one worker thread ---------
-    # LangGraph calls a checkpointer from a new pool of threads on every invoke; the
-    # store keeps one connection per calling thread, so calls are funnelled through one
-    # thread of the saver's own (which also serialises them).
-    def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        if threading.get_ident() == self._worker_ident:
-            return fn(*args)
-        return self._worker.submit(fn, *args).result()
-
-    async def _acall(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.wrap_future(self._worker.submit(fn, *args))
-
-    def put(
-        self,
-        config: RunnableConfig,
-        checkpoint: Checkpoint,
-        metadata: CheckpointMetadata,
-        new_versions: ChannelVersions,
-    ) -> RunnableConfig:
-        """Store a checkpoint (its channel values as a delta on the namespace's previous
-        checkpoint) with its metadata.
-
-        Returns:
-            The config of the stored checkpoint.
-
-        Raises:
-            CodecError: A value can be stored neither by the codec nor by the serde.
-            StoreError: The database refused; the checkpoint is not visible.
-        """
-        return self._call(self._put, config, checkpoint, metadata, new_versions)
-
-    def put_writes(
-        self,
-        config: RunnableConfig,
-        writes: Sequence[tuple[str, Any]],
-        task_id: str,
-        task_path: str = "",
-    ) -> None:
-        """Store a task's pending writes for a checkpoint.
-
-        Regular writes keep their first version (a re-run task does not change them);
-        writes to LangGraph's special channels (errors, interrupts, resumes) are
-        replaced, as in LangGraph's own savers.
-        """
-        self._call(self._put_writes, config, writes, task_id, task_path)
-
-    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        """The checkpoint ``config`` names, or the namespace's latest without a
-        ``checkpoint_id``; ``None`` when there is none.
-
-        Raises:
-            CorruptRecord: A row, delta, blob or write failed its integrity check.
-        """
-        return self._call(self._get_tuple, config)
-
-    def delete_thread(self, thread_id: str) -> None:
-        """Delete every checkpoint and write of a thread (all namespaces), with the
-        channel values and the blobs only they used."""
-        self._call(self._delete_thread, thread_id)
-
-    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
-        """Delete the checkpoints (and their writes) whose metadata names one of
-        ``run_ids``; each namespace they were in is rewritten without their values."""
-        self._call(self._delete_for_runs, run_ids)
-
-    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        """Prune threads: ``"keep_latest"`` keeps the newest checkpoint of each
-        namespace (and its writes), stored afresh as a keyframe; ``"delete"`` deletes
-        the threads.
-
-        Raises:
-            ConfigurationError: Unknown strategy.
-        """
-        self._call(self._prune, thread_ids, strategy)
-
-    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        """Copy every checkpoint (all namespaces, same ids) and write of a thread to
-        another thread. A source without checkpoints copies nothing."""
-        self._call(self._copy_thread, source_thread_id, target_thread_id)
-
-    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        """:meth:`get_tuple`, awaiting the saver's worker thread."""
-        return await self._acall(self._get_tuple, config)
-
-    async def alist(
-        self,
-        config: RunnableConfig | None,
-        *,
-        filter: dict[str, Any] | None = None,
-        before: RunnableConfig | None = None,
-        limit: int | None = None,
-    ) -> AsyncIterator[CheckpointTuple]:
-        """:meth:`list`, awaiting the saver's worker thread (matches are read at once)."""
-        items = await self._acall(
-            lambda: [*self.list(config, filter=filter, before=before, limit=limit)]
-        )
-        for item in items:
-            yield item
-
-    async def aput(
-        self,
-        config: RunnableConfig,
-        checkpoint: Checkpoint,
-        metadata: CheckpointMetadata,
-        new_versions: ChannelVersions,
-    ) -> RunnableConfig:
-        """:meth:`put`, awaiting the saver's worker thread."""
-        return await self._acall(self._put, config, checkpoint, metadata, new_versions)
-
-    async def aput_writes(
-        self,
-        config: RunnableConfig,
-        writes: Sequence[tuple[str, Any]],
-        task_id: str,
-        task_path: str = "",
-    ) -> None:
-        """:meth:`put_writes`, awaiting the saver's worker thread."""
-        await self._acall(self._put_writes, config, writes, task_id, task_path)
-
-    async def adelete_thread(self, thread_id: str) -> None:
-        """:meth:`delete_thread`, awaiting the saver's worker thread."""
-        await self._acall(self._delete_thread, thread_id)
-
-    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
-        """:meth:`delete_for_runs`, awaiting the saver's worker thread."""
-        await self._acall(self._delete_for_runs, run_ids)
-
-    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        """:meth:`copy_thread`, awaiting the saver's worker thread."""
-        await self._acall(self._copy_thread, source_thread_id, target_thread_id)
-
-    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        """:meth:`prune`, awaiting the saver's worker thread."""
-        await self._acall(self._prune, thread_ids, strategy)
-
     # -- internals ---------------------------------------------------------------------
     def _run_for(self, thread_id: str, ns: str) -> str:
         """The store run of a namespace, created (with its mapping row) if new."""
@@ -877,14 +430,14 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
 
     def _thread_seal(self, thread_id: str, ns: str, run_id: str) -> bytes | None:
         return _schema.make_seal(
-            self._keys, _schema.THREADS, _schema.thread_parts(thread_id, ns, run_id)
+            self.keys, _schema.THREADS, _schema.thread_parts(thread_id, ns, run_id)
         )
 
     def _mapped_run(self, found: Sequence[Any]) -> str:
         """The store run of a thread row (thread, namespace, run, seal), its seal checked."""
         thread_id, ns, run_id, sealed = found
         _schema.check(
-            self._keys,
+            self.keys,
             _schema.THREADS,
             _schema.thread_parts(thread_id, ns, run_id),
             None if sealed is None else bytes(sealed),
@@ -920,7 +473,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         q = self._q
         parts = _schema.checkpoint_parts(thread_id, ns, cid, parent, run_id, seq, lg_run, record)
         dg = _schema.checkpoint_digest(parts)
-        sealed = _schema.make_seal(self._keys, _schema.CHECKPOINTS, parts)
+        sealed = _schema.make_seal(self.keys, _schema.CHECKPOINTS, parts)
         cur.execute(
             f"INSERT INTO oo_lg_checkpoints ({_CK_COLS}, created_at) VALUES "
             f"({', '.join([q] * 11)}) ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id) "
@@ -963,7 +516,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         decoded before."""
         parts = row.parts()
         _schema.check(
-            self._keys,
+            self.keys,
             _schema.CHECKPOINTS,
             parts,
             row.seal,
@@ -991,7 +544,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         where = f"a pending write of LangGraph checkpoint {cid!r} (thread {thread_id!r})"
         run_id, seq = (None, None) if row is None else (row.run_id, row.seq)
         _schema.check(
-            self._keys,
+            self.keys,
             _schema.WRITES,
             parts,
             None if sealed is None else bytes(sealed),
@@ -1026,7 +579,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             path,
             data,
             _schema.write_digest(parts),
-            _schema.make_seal(self._keys, _schema.WRITES, parts),
+            _schema.make_seal(self.keys, _schema.WRITES, parts),
         )
 
     def _record(self, row: _Row) -> dict[str, Any]:
@@ -1177,65 +730,3 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             self.store.transact(write)
         finally:
             self._runs.pop((thread_id, ns), None)
-
-
-def copy_threads(
-    source: BaseCheckpointSaver[Any],
-    target: BaseCheckpointSaver[Any],
-    *,
-    thread_ids: Iterable[str] | None = None,
-) -> int:
-    """Copy threads from any LangGraph checkpointer (``SqliteSaver``, ``PostgresSaver``,
-    ``InMemorySaver``, another :class:`OnceOnlySaver`) into ``target``.
-
-    Every checkpoint of every namespace is copied oldest first, with its id, parent,
-    metadata and pending writes, so a graph compiled with ``target`` resumes each thread
-    where it stood and keeps its history (time travel included). Pending writes keep
-    their task id and order; their task path, which LangGraph's read API does not
-    return, is empty. Copying again overwrites the copied checkpoints with equal ones.
-
-    Args:
-        source: The checkpointer to read (its sync ``list`` API).
-        target: The checkpointer to write (its sync ``put`` / ``put_writes``).
-        thread_ids: Only these threads (default: every thread ``source`` lists).
-
-    Returns:
-        The number of checkpoints copied.
-    """
-    wanted = None if thread_ids is None else {str(t) for t in thread_ids}
-    if wanted is None:
-        tuples = list(source.list(None))
-    else:
-        tuples = [
-            t for tid in sorted(wanted) for t in source.list({"configurable": {"thread_id": tid}})
-        ]
-    # Oldest first within each namespace, so parents are written before children and
-    # the target's deltas follow the history.
-    tuples.sort(
-        key=lambda t: (
-            str(t.config["configurable"]["thread_id"]),
-            str(t.config["configurable"].get("checkpoint_ns", "")),
-            str(t.config["configurable"]["checkpoint_id"]),
-        )
-    )
-    for tup in tuples:
-        conf = tup.config["configurable"]
-        parent = tup.parent_config["configurable"]["checkpoint_id"] if tup.parent_config else None
-        put_conf: dict[str, Any] = {
-            "thread_id": conf["thread_id"],
-            "checkpoint_ns": conf.get("checkpoint_ns", ""),
-        }
-        if parent is not None:
-            put_conf["checkpoint_id"] = parent
-        stored = target.put(
-            {"configurable": put_conf},
-            tup.checkpoint,
-            tup.metadata,
-            dict(tup.checkpoint["channel_versions"]),
-        )
-        by_task: dict[str, list[tuple[str, Any]]] = {}
-        for task_id, channel, value in tup.pending_writes or []:
-            by_task.setdefault(task_id, []).append((channel, value))
-        for task_id, task_writes in by_task.items():
-            target.put_writes(stored, task_writes, task_id)
-    return len(tuples)

@@ -1,0 +1,425 @@
+"""The saver: LangGraph's ``BaseCheckpointSaver`` interface, sync and async, over one
+:class:`~._storage.Storage`; every call runs on the saver's one worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+)
+from langgraph.checkpoint.serde.base import SerializerProtocol
+
+from onceonly.adapters import _langgraph_schema as _schema
+from onceonly.adapters._langgraph_serde import StrictSerializer
+from onceonly.adapters._langgraph_values import register
+from onceonly.checkpoint import (
+    ConfigurationError,
+    Durability,
+    KeyframePolicy,
+    Store,
+    ensure_schema,
+)
+from onceonly.ledger import Keyring
+
+from ._rows import _row_keys
+from ._storage import Storage
+
+T = TypeVar("T")
+
+
+class OnceOnlySaver(BaseCheckpointSaver[str]):
+    """LangGraph's ``BaseCheckpointSaver`` on onceonly's checkpoint core (SQLite or
+    PostgreSQL).
+
+    Implements the sync methods (``get_tuple``, ``list``, ``put``, ``put_writes``,
+    ``delete_thread``, ``delete_for_runs``, ``copy_thread``, ``prune``) and their async
+    twins. Every call runs on the saver's one worker thread (the async ones await it):
+    safe to share between threads and event loops; calls on one saver are serialised.
+
+    Args:
+        store: The checkpoint store (shared with a ``Ledger`` if you like: the ledger
+            gives it its keyring's keys). The saver creates its tables there when the
+            database has none.
+        serde: The serializer for values the codec cannot store exactly (default:
+            :class:`StrictSerializer`, which builds only allow-listed types; register
+            yours with ``StrictSerializer(allow=[...])``). A permissive serializer
+            (LangGraph's ``JsonPlusSerializer``) builds whatever a stored value names.
+        create: Create the saver's tables in a database without them (an older schema
+            is never migrated implicitly: run ``onceonly migrate --langgraph``).
+        keyring: Seal and check rows with this keyring's row keys (attached to
+            ``store``). Default: the store's keys, else ``ONCEONLY_SECRETS``'s.
+        unkeyed: Accept a store without integrity keys (``ONCEONLY_SECRETS`` is then not
+            read; :attr:`integrity_note` says what is not detected).
+
+    Raises:
+        ConfigurationError: No integrity keys and not ``unkeyed``; or ``store`` already
+            seals with other keys than ``keyring``'s.
+        SchemaVersionError: The saver's tables are older or newer than this code.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        serde: SerializerProtocol | None = None,
+        create: bool = True,
+        keyring: Keyring | None = None,
+        unkeyed: bool = False,
+    ) -> None:
+        super().__init__(serde=serde or StrictSerializer())
+        if keyring is not None or store.integrity is None:
+            keys = _row_keys(keyring, unkeyed=unkeyed)
+            if keys is not None:
+                store.attach_integrity(keys)
+        ensure_schema(store.engine, _schema.COMPONENT, _schema.LANGGRAPH_MIGRATIONS, create=create)
+        register(store.codec)
+        self.store = store
+        self._storage = Storage(store, self.serde)
+        self._owns_store = False
+        self._worker_ident: int | None = None
+        self._worker = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="onceonly-langgraph", initializer=self._mark
+        )
+
+    def _mark(self) -> None:
+        self._worker_ident = threading.get_ident()
+
+    @property
+    def integrity_note(self) -> str | None:
+        """What this saver cannot detect (None when it seals and checks its rows)."""
+        return None if self._storage.keys is not None else _schema.UNKEYED_LIMITS
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        keyring: Keyring | None = None,
+        unkeyed: bool = False,
+        serde: SerializerProtocol | None = None,
+        keyframes: KeyframePolicy | None = None,
+        create: bool = True,
+        busy_timeout_ms: int = 5000,
+    ) -> OnceOnlySaver:
+        """Open a saver on its own store (closed by :meth:`close`).
+
+        Each ``put`` commits the checkpoint's values and its record in one transaction.
+
+        Args:
+            url: ``sqlite:///path`` or ``postgresql+psycopg://...``.
+            keyring: The keyring whose row keys seal and check every row (default:
+                ``Keyring.from_env()`` when ``ONCEONLY_SECRETS`` is set).
+            unkeyed: Run without integrity keys (``ONCEONLY_SECRETS`` is then not read):
+                accidental corruption is still detected, deliberate edits are not
+                (:attr:`integrity_note`).
+            serde: As in the constructor.
+            keyframes: When the store writes a full keyframe instead of a delta.
+            create: Create the schema in an empty database.
+            busy_timeout_ms: How long a SQLite writer waits for the lock.
+
+        Raises:
+            ConfigurationError: No keyring, ``ONCEONLY_SECRETS`` unset and not
+                ``unkeyed``; or as :meth:`checkpoint.Store.open`.
+            DatabaseUnavailable / SchemaVersionError: As :meth:`checkpoint.Store.open`.
+        """
+        keys = _row_keys(keyring, unkeyed=unkeyed)
+        # "exit" durability: a put's values wait in memory for the transaction that
+        # writes its record, so both commit together (put holds the lock throughout).
+        store = Store.open(
+            url,
+            durability=Durability.EXIT,
+            keyframes=keyframes,
+            create=create,
+            busy_timeout_ms=busy_timeout_ms,
+            integrity=keys,
+        )
+        try:
+            saver = cls(store, serde=serde, create=create, unkeyed=keys is None)
+        except BaseException:
+            store.close()
+            raise
+        saver._owns_store = True
+        return saver
+
+    def seal_unsealed(self) -> int:
+        """Seal every row written before sealing (or by an unkeyed saver) as it stands:
+        the saver's rows, and the store's runs, checkpoints and waits. An operator's
+        decision to trust the current contents, taken once after checking them (an
+        upgraded database: ``onceonly migrate --langgraph``, then this).
+
+        Returns:
+            How many rows were sealed.
+
+        Raises:
+            ConfigurationError: The saver has no integrity keys.
+            CorruptRecord: An unsealed saver row fails its digest (none was sealed).
+        """
+        keys = self._storage.keys
+        if keys is None:
+            raise ConfigurationError(f"nothing to seal with: {_schema.UNKEYED_LIMITS}")
+        return self._call(self._storage.seal_unsealed, keys)
+
+    def close(self) -> None:
+        """Stop the saver's worker thread; close the store if this saver opened it
+        (:meth:`from_url`)."""
+        self._worker.shutdown(wait=True)
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> OnceOnlySaver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- versions ----------------------------------------------------------------------
+    def get_next_version(self, current: str | int | float | None, channel: None) -> str:
+        """The next channel version, in the format of LangGraph's SQL savers
+        (``"<32-digit counter>.<16-digit random>"``), so threads copied from them keep
+        comparable versions."""
+        if current is None:
+            n = 0
+        elif isinstance(current, int | float):
+            n = int(current)
+        else:
+            n = int(str(current).split(".")[0])
+        # Not security: a tie-break between versions, as LangGraph's savers do.
+        return f"{n + 1:032}.{random.random():016}"  # noqa: S311
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        """Checkpoints newest first (by checkpoint id), of one thread (and namespace,
+        if ``config`` names one), or of every thread when ``config`` is ``None``.
+
+        Args:
+            config: Which thread / namespace / checkpoint.
+            filter: Metadata keys and the values they must equal.
+            before: Only checkpoints older than this one.
+            limit: At most this many.
+        """
+        rows = self._call(self._storage.list_rows, config, filter, before, limit)
+        if limit is not None and limit <= 0:
+            return
+        n = 0
+        for row in rows:
+            tup = self._call(self._storage.list_item, row, filter)
+            if tup is None:
+                continue
+            yield tup
+            n += 1
+            if limit is not None and n >= limit:
+                return
+
+    # -- the public API: every store call runs on the saver's one worker thread ---------
+    # LangGraph calls a checkpointer from a new pool of threads on every invoke; the
+    # store keeps one connection per calling thread, so calls are funnelled through one
+    # thread of the saver's own (which also serialises them).
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if threading.get_ident() == self._worker_ident:
+            return fn(*args)
+        return self._worker.submit(fn, *args).result()
+
+    async def _acall(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self._worker.submit(fn, *args))
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """Store a checkpoint (its channel values as a delta on the namespace's previous
+        checkpoint) with its metadata.
+
+        Returns:
+            The config of the stored checkpoint.
+
+        Raises:
+            CodecError: A value can be stored neither by the codec nor by the serde.
+            StoreError: The database refused; the checkpoint is not visible.
+        """
+        return self._call(self._storage.put, config, checkpoint, metadata, new_versions)
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        """Store a task's pending writes for a checkpoint.
+
+        Regular writes keep their first version (a re-run task does not change them);
+        writes to LangGraph's special channels (errors, interrupts, resumes) are
+        replaced, as in LangGraph's own savers.
+        """
+        self._call(self._storage.put_writes, config, writes, task_id, task_path)
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """The checkpoint ``config`` names, or the namespace's latest without a
+        ``checkpoint_id``; ``None`` when there is none.
+
+        Raises:
+            CorruptRecord: A row, delta, blob or write failed its integrity check.
+        """
+        return self._call(self._storage.get_tuple, config)
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Delete every checkpoint and write of a thread (all namespaces), with the
+        channel values and the blobs only they used."""
+        self._call(self._storage.delete_thread, thread_id)
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delete the checkpoints (and their writes) whose metadata names one of
+        ``run_ids``; each namespace they were in is rewritten without their values."""
+        self._call(self._storage.delete_for_runs, run_ids)
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Prune threads: ``"keep_latest"`` keeps the newest checkpoint of each
+        namespace (and its writes), stored afresh as a keyframe; ``"delete"`` deletes
+        the threads.
+
+        Raises:
+            ConfigurationError: Unknown strategy.
+        """
+        self._call(self._storage.prune, thread_ids, strategy)
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy every checkpoint (all namespaces, same ids) and write of a thread to
+        another thread. A source without checkpoints copies nothing."""
+        self._call(self._storage.copy_thread, source_thread_id, target_thread_id)
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """:meth:`get_tuple`, awaiting the saver's worker thread."""
+        return await self._acall(self._storage.get_tuple, config)
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        """:meth:`list`, awaiting the saver's worker thread (matches are read at once)."""
+        items = await self._acall(
+            lambda: [*self.list(config, filter=filter, before=before, limit=limit)]
+        )
+        for item in items:
+            yield item
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """:meth:`put`, awaiting the saver's worker thread."""
+        return await self._acall(self._storage.put, config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        """:meth:`put_writes`, awaiting the saver's worker thread."""
+        await self._acall(self._storage.put_writes, config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        """:meth:`delete_thread`, awaiting the saver's worker thread."""
+        await self._acall(self._storage.delete_thread, thread_id)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """:meth:`delete_for_runs`, awaiting the saver's worker thread."""
+        await self._acall(self._storage.delete_for_runs, run_ids)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """:meth:`copy_thread`, awaiting the saver's worker thread."""
+        await self._acall(self._storage.copy_thread, source_thread_id, target_thread_id)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """:meth:`prune`, awaiting the saver's worker thread."""
+        await self._acall(self._storage.prune, thread_ids, strategy)
+
+
+def copy_threads(
+    source: BaseCheckpointSaver[Any],
+    target: BaseCheckpointSaver[Any],
+    *,
+    thread_ids: Iterable[str] | None = None,
+) -> int:
+    """Copy threads from any LangGraph checkpointer (``SqliteSaver``, ``PostgresSaver``,
+    ``InMemorySaver``, another :class:`OnceOnlySaver`) into ``target``.
+
+    Every checkpoint of every namespace is copied oldest first, with its id, parent,
+    metadata and pending writes, so a graph compiled with ``target`` resumes each thread
+    where it stood and keeps its history (time travel included). Pending writes keep
+    their task id and order; their task path, which LangGraph's read API does not
+    return, is empty. Copying again overwrites the copied checkpoints with equal ones.
+
+    Args:
+        source: The checkpointer to read (its sync ``list`` API).
+        target: The checkpointer to write (its sync ``put`` / ``put_writes``).
+        thread_ids: Only these threads (default: every thread ``source`` lists).
+
+    Returns:
+        The number of checkpoints copied.
+    """
+    wanted = None if thread_ids is None else {str(t) for t in thread_ids}
+    if wanted is None:
+        tuples = list(source.list(None))
+    else:
+        tuples = [
+            t for tid in sorted(wanted) for t in source.list({"configurable": {"thread_id": tid}})
+        ]
+    # Oldest first within each namespace, so parents are written before children and
+    # the target's deltas follow the history.
+    tuples.sort(
+        key=lambda t: (
+            str(t.config["configurable"]["thread_id"]),
+            str(t.config["configurable"].get("checkpoint_ns", "")),
+            str(t.config["configurable"]["checkpoint_id"]),
+        )
+    )
+    for tup in tuples:
+        conf = tup.config["configurable"]
+        parent = tup.parent_config["configurable"]["checkpoint_id"] if tup.parent_config else None
+        put_conf: dict[str, Any] = {
+            "thread_id": conf["thread_id"],
+            "checkpoint_ns": conf.get("checkpoint_ns", ""),
+        }
+        if parent is not None:
+            put_conf["checkpoint_id"] = parent
+        stored = target.put(
+            {"configurable": put_conf},
+            tup.checkpoint,
+            tup.metadata,
+            dict(tup.checkpoint["channel_versions"]),
+        )
+        by_task: dict[str, list[tuple[str, Any]]] = {}
+        for task_id, channel, value in tup.pending_writes or []:
+            by_task.setdefault(task_id, []).append((channel, value))
+        for task_id, task_writes in by_task.items():
+            target.put_writes(stored, task_writes, task_id)
+    return len(tuples)
