@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 
 from sqlalchemy.engine import Engine
 
-from ._engine import DRIVER_ERRORS, READ_ONLY, lost_commit, translate
+from . import _engine
+from ._engine import READ_ONLY, lost_commit, translate
 from ._retry import DatabaseRetry, retried
 from ._sql import _SQL
 from ._state import _HEAD_CACHE, _Barrier, _Head, _Pending
@@ -130,7 +131,7 @@ class _Connections:
             self._local.conn = None
             with self._pin_lock:
                 self._pinned = [(t, c) for t, c in self._pinned if c is not conn]
-        with contextlib.suppress(*DRIVER_ERRORS):
+        with contextlib.suppress(*_engine.DRIVER_ERRORS):
             if invalidate:
                 conn.invalidate()
             else:
@@ -140,7 +141,7 @@ class _Connections:
         with self._pin_lock:
             conns, self._pinned = self._pinned, []
         for _, conn in conns:
-            with contextlib.suppress(*DRIVER_ERRORS):
+            with contextlib.suppress(*_engine.DRIVER_ERRORS):
                 conn.close()
 
     def _reap_exited(self) -> None:
@@ -151,7 +152,7 @@ class _Connections:
                 return
             self._pinned = [(t, c) for t, c in self._pinned if c not in gone]
         for conn in gone:
-            with contextlib.suppress(*DRIVER_ERRORS):
+            with contextlib.suppress(*_engine.DRIVER_ERRORS):
                 conn.close()
 
     @property
@@ -248,7 +249,7 @@ class _RawTxn:
                         conn.commit()
                     else:
                         conn.rollback()
-                except DRIVER_ERRORS as err:
+                except _engine.DRIVER_ERRORS as err:
                     lost = lost_commit(err) if self._write else None
                     if lost is None:
                         raise
@@ -263,11 +264,11 @@ class _RawTxn:
                             self._cur.execute("ROLLBACK")
                     else:
                         conn.rollback()
-                except DRIVER_ERRORS:
+                except _engine.DRIVER_ERRORS:
                     healthy = False
             try:
                 self._cur.close()
-            except DRIVER_ERRORS:
+            except _engine.DRIVER_ERRORS:
                 healthy = False
             if healthy:
                 self._store._checkin(conn, self._pinned)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -185,6 +186,7 @@ def configure(engine: Engine, *, busy_timeout_ms: int) -> None:
         if not isinstance(engine.pool, NullPool):
             engine.dispose()  # connections made before the hooks lack the pragmas
     elif engine.dialect.name == "postgresql":
+        _with_psycopg()
 
         @event.listens_for(engine, "begin")
         def _on_pg_begin(conn: Connection) -> None:
@@ -270,16 +272,24 @@ def _driver_errors() -> tuple[type[BaseException], ...]:
     import sqlite3  # noqa: PLC0415
 
     errors: list[type[BaseException]] = [sqlite3.Error]
-    try:
-        import psycopg  # noqa: PLC0415
-    except ImportError:  # the postgres extra is optional
-        pass
-    else:
+    psycopg = sys.modules.get("psycopg")
+    if psycopg is not None:
         errors.append(psycopg.Error)
     return tuple(errors)
 
 
+# The raw driver errors the hot paths catch: sqlite3's, and psycopg's once a PostgreSQL
+# engine is configured (psycopg is imported only for PostgreSQL). Read it as
+# ``_engine.DRIVER_ERRORS`` at the point of use, never copied by an import.
 DRIVER_ERRORS: tuple[type[BaseException], ...] = _driver_errors()
+
+
+def _with_psycopg() -> None:
+    global DRIVER_ERRORS  # noqa: PLW0603 - grows once, when PostgreSQL is first used
+    import psycopg  # noqa: PLC0415
+
+    if psycopg.Error not in DRIVER_ERRORS:
+        DRIVER_ERRORS = (*DRIVER_ERRORS, psycopg.Error)
 
 
 @contextlib.contextmanager

@@ -6,9 +6,10 @@ import queue
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from . import _engine
 from ._blobs import _Blobs
 from ._connections import _RawTxn
-from ._engine import DRIVER_ERRORS, classify, is_integrity_error, translate
+from ._engine import classify, is_integrity_error, translate
 from ._retry import retried
 from ._sql import _row_parts
 from ._state import _Barrier, _Pending
@@ -158,7 +159,7 @@ class _Writer(_Blobs):
                     # outside a savepoint.
                     part.error = (
                         classify(exc, "run a transaction")
-                        if isinstance(exc, DRIVER_ERRORS)
+                        if isinstance(exc, _engine.DRIVER_ERRORS)
                         else exc
                     )
                     cur.execute(f"ROLLBACK TO SAVEPOINT oo_p{i}")
@@ -199,7 +200,7 @@ class _Writer(_Blobs):
                     ckpt_seal,
                 ),
             )
-        except DRIVER_ERRORS as exc:
+        except _engine.DRIVER_ERRORS as exc:
             if is_integrity_error(exc):
                 raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
             raise

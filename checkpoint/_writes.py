@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import _delta
+from . import _delta, _engine
 from ._connections import _RawTxn
-from ._engine import DRIVER_ERRORS, is_integrity_error, translate
+from ._engine import is_integrity_error, translate
 from ._migrate import _upgrade
 from ._reads import _Reads
 from ._retry import retried
@@ -115,7 +115,7 @@ class _Writes(_Reads):
                         f"({', '.join([q] * len(_RUN_COLS))})",
                         tuple(values[c] for c in _RUN_COLS),
                     )
-                except DRIVER_ERRORS as exc:
+                except _engine.DRIVER_ERRORS as exc:
                     if is_integrity_error(exc):
                         raise RunExists(rid) from exc
                     raise

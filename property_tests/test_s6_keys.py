@@ -335,7 +335,7 @@ def test_control_a_seed_dependent_key_is_caught(
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(ROOT)}
     code = (
         "import json, sys\n"
-        "from ledger import keys\n"
+        "from onceonly.ledger import keys\n"
         "orig = keys.Keyring.key_id\n"
         "keys.Keyring.key_id = lambda self, sid, parts: orig(self, sid, (hash(parts),))\n"
         "from property_tests import s6_probe\n"

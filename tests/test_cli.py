@@ -433,3 +433,31 @@ def test_the_public_names_load_on_first_use() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False
     )
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+@pytest.mark.slow
+def test_commands_on_sqlite_do_not_import_the_postgresql_driver(tmp_path: Path) -> None:
+    """psycopg is for PostgreSQL only: a store, a ledger and the read commands on SQLite
+    run without it (it is not even imported)."""
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    probe = (
+        "import sys\n"
+        "from onceonly.checkpoint import Store\n"
+        "from onceonly.ledger import Keyring, Ledger, Secret\n"
+        f"s = Store.open({url!r}); Ledger(s, Keyring([Secret('k', bytes(32))])).close()\n"
+        "s.close()\n"
+        "from onceonly.cli import main\n"
+        "for args in (['runs', 'list'], ['effects', 'list']):\n"
+        "    try: main([*args, '--url', sys.argv[1]])\n"
+        "    except SystemExit as e: assert not e.code, e.code\n"
+        "print([m for m in sys.modules if m.split('.')[0] == 'psycopg'])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, "ONCEONLY_SECRETS": "k:" + "00" * 32},
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
