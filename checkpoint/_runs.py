@@ -169,6 +169,21 @@ class _Runs(_Connections):
             raise RunNotFound(run_id)
         return run
 
+    @retried("read a run's forks", idempotent=True)
+    def shares_keys(self, run_id: str) -> bool:
+        """Whether another run uses ``run_id``'s effect keys (a fork of it, or of one of
+        its forks): then effects under its keys may have been made by a run other than
+        itself.
+        """
+        self._check_open()
+        sql = f"SELECT 1 FROM oo_run_links WHERE key_run = {self._sql.q} LIMIT 1"
+
+        def probe(cur: Any) -> bool:
+            cur.execute(sql, (run_id,))
+            return cur.fetchone() is not None
+
+        return self.read(probe)
+
     def read_run_in(self, cur: Any, run_id: str, *, lock: bool = False) -> Run | None:
         """The run row read through ``cur`` (in the caller's transaction), its seal
         checked; None when there is no such run. ``lock``: ``FOR UPDATE`` on PostgreSQL.

@@ -115,16 +115,18 @@ class BranchesDiverged(StepDiverged):
 
 
 class ForkDiverged(StepDiverged):
-    """A fork's code has lost steps its origin ran after the fork point (a deploy renamed
-    or removed them): the effects they recorded are keyed by their names, so running
-    the fork on would send them again under other names. Nothing was run.
+    """A run shares its effect keys with others (a fork, its origin, their other forks),
+    and one of them made effects at a step this run has not passed yet that the deployed
+    flow no longer has (a deploy renamed or removed it): the effects are keyed by the
+    step's name, so running on could send them again under another name. Nothing was
+    run.
 
     Attributes:
-        run_id: The fork.
-        step_id: The step (with its visit) the fork was about to run.
-        origin: The run it was forked from.
-        gone: The origin's steps, after the fork point, with recorded effects, that the
-            deployed flow no longer has.
+        run_id: The run that stopped.
+        step_id: The step (with its visit) it was about to run.
+        origin: The run it was forked from (its own id when it is the origin).
+        gone: The steps, with effects recorded in the shared key space at visits ahead
+            of this run, that the deployed flow no longer has.
     """
 
     def __init__(self, run_id: str, step_id: str, origin: str, gone: Sequence[str]) -> None:
@@ -135,11 +137,16 @@ class ForkDiverged(StepDiverged):
         self.expected = None
         self.got = None
         self.remaining = ()
+        shares = (
+            f"run {run_id!r} shares its effect keys with its forks"
+            if origin == run_id
+            else f"run {run_id!r} shares the effect keys of run {origin!r}"
+        )
         OnceOnlyError.__init__(
             self,
-            f"fork {run_id!r} of run {origin!r}: its origin ran steps {list(gone)} after the "
-            f"fork point, with recorded effects, and the deployed flow has no such steps "
-            f"(renamed or removed); running {step_id!r} on could send their effects again "
-            f"under other names, so nothing was run. Deploy code that has them, or fork "
-            f"from a checkpoint after them",
+            f"{shares}, and a run of that key space made effects at steps {list(gone)}, "
+            f"at visits this run has not passed, that the deployed flow has no longer "
+            f"(renamed or removed); running "
+            f"{step_id!r} on could send them again under other names, so nothing was run. "
+            f"Deploy code that has those steps, or fork from a checkpoint after them",
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import time
 import uuid
@@ -35,7 +36,6 @@ from onceonly.checkpoint import (
     LeaseHeld,
     Run,
     RunExists,
-    RunNotFound,
     RunStatus,
     Store,
     StoreError,
@@ -70,6 +70,8 @@ __all__ = ["META", "Runtime", "default_owner"]
 META = "_onceonly"
 """The reserved state channel holding the runtime's bookkeeping."""
 
+_VISIT = re.compile(r"\d+")
+"""The visit at the head of what follows a step name's ``#`` in an effect's step id."""
 _TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
 _IN_DOUBT = (EffectStatus.UNKNOWN, EffectStatus.NEEDS_HUMAN, EffectStatus.CLAIMED)
 _tracer = trace.get_tracer("onceonly.runtime")
@@ -321,8 +323,8 @@ class Runtime:
             recorded = _recorded_keys(self.ledger, key_run, step_id)
             span.set_attribute("onceonly.step.resumed", bool(recorded))
             try:
-                if not recorded and meta.get("forked_from"):
-                    self._check_fork(run.run_id, step_id, flow, key_run, meta["forked_from"])
+                if not recorded and (key_run != run.run_id or self.store.shares_keys(key_run)):
+                    self._check_key_space(run.run_id, step_id, flow, key_run, visits, meta)
                 with (
                     run_fence(fence),
                     step(key_run, step_id, visit=visit, tenant=flow.tenant, recorded=recorded),
@@ -550,32 +552,39 @@ class Runtime:
                 self.waits.signal(run.run_id, name, {"resolved": key_id}, actor=self.owner)
         return self.waits.wake_if_settled(run.run_id, name)
 
-    def _check_fork(
-        self, run_id: str, step_id: str, flow: Flow, key_run: str, forked: dict[str, Any]
+    def _check_key_space(
+        self,
+        run_id: str,
+        step_id: str,
+        flow: Flow,
+        key_run: str,
+        visits: Mapping[str, Any],
+        meta: Mapping[str, Any],
     ) -> None:
-        """Before a fork runs a step with nothing recorded: its origin ran no step after
-        the fork point, with recorded effects, that the deployed flow has lost (their
-        keys name them: a renamed step would send them again under its new name).
+        """Before a run whose effect keys other runs share (a fork, its origin, their
+        other forks) runs a step with nothing recorded: no run of the key space made
+        effects at a visit of a step this run has not passed yet, and that the deployed
+        flow has lost. Effect keys name their step: a deploy that renamed it would send
+        those effects again under the new name.
+
+        Visits this run passed (the visit counts of its checkpoint, inherited by a fork
+        from its fork point) are behind it and never run again, whatever the code now
+        calls them.
 
         Raises:
-            ForkDiverged: It did.
+            ForkDiverged: Some run of the key space did.
         """
-        origin, seq = str(forked.get("run") or ""), int(forked.get("seq") or 0)
-        try:
-            after = {
-                info.step.split(":", 1)[0] for info in self.store.history(origin) if info.seq > seq
-            }
-        except RunNotFound:
-            return  # the origin is gone (retention keeps it while a fork needs it)
-        gone = sorted(s for s in after if s and s not in flow.steps)
-        if not gone:
-            return
-        with_effects = {
-            r.step_id.split("#", 1)[0] for r in self.ledger.effects(run_id=key_run) if r.step_id
-        }
-        lost = [s for s in gone if s in with_effects]
+        lost: set[str] = set()
+        for r in self.ledger.effects(run_id=key_run):
+            name, _, rest = (r.step_id or "").partition("#")
+            if not name or name in flow.steps:
+                continue
+            digits = _VISIT.match(rest)
+            if digits is None or int(digits.group()) >= int(visits.get(name, 0)):
+                lost.add(name)
         if lost:
-            raise ForkDiverged(run_id, step_id, origin, lost)
+            origin = str((meta.get("forked_from") or {}).get("run") or key_run)
+            raise ForkDiverged(run_id, step_id, origin, sorted(lost))
 
     def _fail(
         self, run: Run, meta: dict[str, Any], name: str, exc: BaseException, parent: int

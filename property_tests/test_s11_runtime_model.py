@@ -348,6 +348,42 @@ def _run_row_and_checkpoint_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Store, "load_run", load_run)
 
 
+def _scenario_sibling_fork_after_rename(m: RuntimeModel) -> None:
+    # Two forks of a run at its start; one runs the whole flow, a deploy renames its
+    # middle step, then the other runs (the key space is shared; the origin never ran it).
+    rm = m.begin("acme", "sync")
+    m.procs["sync"].runtime.drive(rm.rid, max_steps=1)
+    start = next(h.seq for h in m.op_store.history(rm.rid) if h.step == "start")
+    first, second = m.fork_at(rm, start), m.fork_at(rm, start)
+    assert first is not None
+    assert second is not None
+    m._drive(first)
+    s = m.spec.steps
+    m.install(m.spec.bumped((s[0], replace(s[1], name=s[1].name + "r"), *s[2:])), "rename_step")
+    m._drive(second)
+
+
+def _fork_checks_its_origin_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check as it was: a fork's own origin, after the fork point; nobody else.
+    from onceonly.errors import ForkDiverged
+    from onceonly.runtime import Runtime
+
+    def check(
+        self: Runtime, run_id: str, step_id: str, flow: Any, key_run: str, visits: Any, meta: Any
+    ) -> None:
+        forked = meta.get("forked_from") or {}
+        origin, seq = str(forked.get("run") or ""), int(forked.get("seq") or 0)
+        if not origin:
+            return
+        after = {i.step.split(":", 1)[0] for i in self.store.history(origin) if i.seq > seq}
+        made = {(r.step_id or "").split("#", 1)[0] for r in self.ledger.effects(run_id=key_run)}
+        lost = sorted(x for x in after if x and x not in flow.steps and x in made)
+        if lost:
+            raise ForkDiverged(run_id, step_id, origin, lost)
+
+    monkeypatch.setattr(Runtime, "_check_key_space", check)
+
+
 CONTROLS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], FlowSpec, Any]] = {
     "cancel-during-step-acts": (_no_fence, _spec(PLAIN, LAST), _scenario_cancel_mid_step),
     "loop-approval-reused": (
@@ -375,6 +411,11 @@ CONTROLS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], FlowSpec, Any]] 
         _run_row_and_checkpoint_apart,
         _spec(StepSpec("pla0", "plain", ("w1",)), StepSpec("pla1", "plain", ("w2",)), LAST),
         _scenario_exit_mode_steps,
+    ),
+    "sibling-fork-resends-after-rename": (
+        _fork_checks_its_origin_only,
+        _spec(StepSpec("pla0", "plain", ("w1",)), StepSpec("pla1", "plain", ("w2",)), LAST),
+        _scenario_sibling_fork_after_rename,
     ),
 }
 

@@ -172,7 +172,7 @@ _NORMALISE: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(?<=worker )[\w.-]+:\w+\b"), "<host:pid>"),
     # ages and time left, relative to now, as tables show them ("3s ago", "in 23h59m")
     (re.compile(r"\b\d+[smhd] ago\b"), "<ago>"),
-    (re.compile(r"(?<=in )\d+h\d+m\b"), "<left>"),
+    (re.compile(r"(?<=in )\d+[dhms](?:\d+[hms])?\b"), "<left>"),
 )
 _TABLE_ROW = re.compile(r"[│┃┏┡└┗┌╭╰]")
 
@@ -185,6 +185,14 @@ def _table_line(line: str) -> str:
     return re.sub(r" {2,}", " ", line).strip()
 
 
+def _plain_line(line: str) -> str:
+    """A line of anything else, the padding between its columns left out (a plain
+    table pads each column to its widest cell, which follows the placeholders): inner
+    runs of blanks become two; the indentation stays."""
+    body = line.lstrip(" ")
+    return line[: len(line) - len(body)] + re.sub(r" {2,}", "  ", body)
+
+
 def normalise(text: str, *, workdir: Path | None = None) -> str:
     """``text`` with what differs between runs replaced by placeholders.
 
@@ -195,7 +203,7 @@ def normalise(text: str, *, workdir: Path | None = None) -> str:
     for pattern, placeholder in _NORMALISE:
         text = pattern.sub(placeholder, text)
     lines = [line.rstrip() for line in text.splitlines()]
-    lines = [_table_line(line) if _TABLE_ROW.search(line) else line for line in lines]
+    lines = [_table_line(line) if _TABLE_ROW.search(line) else _plain_line(line) for line in lines]
     # a table's title, centred over the table
     lines = [
         line.strip() if i + 1 < len(lines) and lines[i + 1].startswith(("┏", "┌")) else line

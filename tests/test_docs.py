@@ -222,6 +222,10 @@ def test_normaliser_keeps_what_is_deterministic() -> None:
     assert normalise(f"key {key}  ") == f"key {key}"  # key ids are compared exactly
     assert normalise("lease 30 s") == "lease 30 s"  # a configured value is not a duration
     assert normalise("expires in 23h58m, 2s ago") == "expires in <left>, <ago>"
+    assert normalise("expires in 1d)") == "expires in <left>)"  # at exactly a day left
+    # a plain table's padding follows its widest cell: the columns, not the blanks, count
+    assert normalise("id     flow\nr-1    refund") == normalise("id  flow\nr-1  refund")
+    assert normalise("    indented  code") == "    indented  code"
 
 
 def test_wrong_signature_fails(tmp_path: Path) -> None:

@@ -692,6 +692,66 @@ def test_a_fork_after_a_deploy_renamed_its_origins_step_refuses_to_resend(env: E
     assert [e for e, _, _ in env.provider.deliveries] == ["reserve@1", "charge@1"]
 
 
+def _sent(env: Env) -> list[str]:
+    return [e for e, _, _ in env.provider.deliveries]
+
+
+def _refused(env: Env, rt: Runtime, rid: str, step: str) -> None:
+    assert rt.drive(rid).status is RunStatus.FAILED
+    error = env.meta(rid)["error"]
+    assert error["type"] == "ForkDiverged", error
+    assert step in error["message"]
+
+
+def _chain(env: Env, *names: str) -> Flow:
+    """Steps in a line; step i sends effect ``e{i}@1`` whatever it is called."""
+    flow = Flow("orders")
+    for i, name in enumerate(names):
+
+        def fn(ctx: StepContext, i: int = i) -> Transition:
+            env.send(ctx, f"e{i}@1", ctx.state["order"])
+            return ctx.next(names[i + 1]) if i + 1 < len(names) else ctx.end()
+
+        flow.step(name=name, start=i == 0)(fn)
+    return flow
+
+
+def test_no_run_of_a_shared_key_space_resends_after_a_rename(env: Env) -> None:
+    """Found by S11's deep tier: the check looked only at a fork's own origin after the
+    fork point, so a sibling fork, the origin itself and a fork of a fork re-sent what
+    another run of the key space had sent at a step a deploy then renamed."""
+    rt = env.runtime(_chain(env, "reserve", "pack", "charge"))
+    rid = rt.start("orders", {"order": 7})
+    assert rt.drive(rid, max_steps=1).next_step == "pack"  # reserved, not charged
+    start = next(c.seq for c in env.store.history(rid) if c.step == "start")
+    first, sibling, third = (
+        env.operator.fork(rid, start, actor="ops", reason=f"try {n}") for n in (1, 2, 3)
+    )
+    child = env.operator.fork(first, env.store.history(first)[0].seq, actor="ops", reason="c")
+    # One fork charges on the old code (the charge is keyed by the origin's key space) ...
+    assert rt.drive(first).status is RunStatus.COMPLETED
+    assert _sent(env) == ["e0@1", "e1@1", "e2@1"]
+    # ... then a deploy renames the step; no other run of the key space charges again.
+    renamed = env.runtime(_chain(env, "reserve", "pack", "charge_card"))
+    for other in (sibling, rid, child):
+        _refused(env, renamed, other, "charge")
+    assert _sent(env) == ["e0@1", "e1@1", "e2@1"]
+    # On the code that recorded the charge, another fork replays it.
+    assert rt.drive(third).status is RunStatus.COMPLETED
+    assert _sent(env) == ["e0@1", "e1@1", "e2@1"]
+
+
+def test_a_renamed_step_a_fork_has_passed_does_not_stop_it(env: Env) -> None:
+    rt = env.runtime(_chain(env, "reserve", "charge", "ship"))
+    rid = rt.start("orders", {"order": 7})
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    after_charge = next(c.seq for c in env.store.history(rid) if c.step == "charge")
+    renamed = env.runtime(_chain(env, "reserve", "charge_card", "ship"))
+    fork = env.operator.fork(rid, after_charge, actor="ops", reason="ship again")
+    assert renamed.drive(fork).status is RunStatus.COMPLETED
+    assert _sent(env) == ["e0@1", "e1@1", "e2@1"]  # ship replayed
+
+
 def test_a_failed_run_is_retried_at_the_step_that_failed(env: Env) -> None:
     flow = Flow("check")
     verdicts = ["not yet", "ok"]
