@@ -119,6 +119,22 @@ EVENT_COLS = (
 )
 
 
+def last_event_sql(cols: str, q: str, ids: int = 1) -> str:
+    """The statement reading the newest audit event of an entry (of any of ``ids`` key
+    ids) in a chain; its parameters are ``(chain, chain, *key_ids)``.
+
+    It finds the event through the ``(chain, key_id, seq)`` index in a few pages, however
+    long the chain: ``... WHERE chain = ? AND key_id = ? ORDER BY seq DESC LIMIT 1`` is
+    planned by SQLite as a walk of the chain's primary key backwards, which for a key
+    with no events reads the whole chain (a run's cost quadratic in its length).
+    """
+    marks = ", ".join([q] * ids)
+    return (
+        f"SELECT {cols} FROM oo_audit WHERE chain = {q} AND seq = (SELECT MAX(seq) FROM "
+        f"oo_audit WHERE chain = {q} AND key_id IN ({marks}))"
+    )
+
+
 def event_parts(ev: Sequence[Any]) -> list[object]:
     """What an event's MAC covers: every field (``EVENT_COLS`` order)."""
     (chain, seq, key_id, event, epoch, status, actor, detail, digest, at, prev, h) = ev[:12]
@@ -307,9 +323,7 @@ class IntegrityMixin(LedgerState):
                 hint=LEDGER_HINT,
             )
         cur.execute(
-            f"SELECT {EVENT_COLS}, mac FROM oo_audit WHERE chain = {q} AND key_id = {q} "
-            f"ORDER BY seq DESC LIMIT 1",
-            (row["chain"], row["key_id"]),
+            last_event_sql(f"{EVENT_COLS}, mac", q), (row["chain"], row["chain"], row["key_id"])
         )
         found = cur.fetchone()
         if (
@@ -360,11 +374,7 @@ class IntegrityMixin(LedgerState):
         """
         q = self._q
         marks = ", ".join([q] * len(ids))
-        cur.execute(
-            f"SELECT key_id, event FROM oo_audit WHERE chain = {q} AND key_id IN ({marks}) "
-            f"ORDER BY seq DESC LIMIT 1",
-            (chain, *ids),
-        )
+        cur.execute(last_event_sql("key_id, event", q, len(ids)), (chain, chain, *ids))
         found = cur.fetchone()
         if found is not None and found[1] != "retired":
             # Under READ COMMITTED (PostgreSQL) a concurrent claimer may have committed its

@@ -9,6 +9,7 @@ from onceonly.checkpoint.errors import ConfigurationError
 from onceonly.checkpoint.failpoints import failpoint
 
 from ._claims import ClaimMixin
+from ._integrity import last_event_sql
 from ._rows import Row, effect_record
 from .errors import InvalidTransition
 from .fence import current_fence
@@ -166,9 +167,8 @@ class ReconcileMixin(ClaimMixin):
         if happened and (row["result_ct"] is None) != (result is UNKNOWN_RESULT):
             return False
         cur.execute(
-            f"SELECT event, actor, detail FROM oo_audit WHERE chain = {self._q} "
-            f"AND key_id = {self._q} ORDER BY seq DESC LIMIT 1",
-            (row["chain"], row["key_id"]),
+            last_event_sql("event, actor, detail", self._q),
+            (row["chain"], row["chain"], row["key_id"]),
         )
         last = cur.fetchone()
         return last is not None and tuple(map(str, last)) == ("resolved", actor, evidence)
@@ -217,11 +217,7 @@ class ReconcileMixin(ClaimMixin):
         def txn(cur: Any) -> Row:
             row = self._locked_row(cur, key_id)
             status = row["status"]
-            cur.execute(
-                f"SELECT event FROM oo_audit WHERE chain = {self._q} AND key_id = {self._q} "
-                f"ORDER BY seq DESC LIMIT 1",
-                (row["chain"], key_id),
-            )
+            cur.execute(last_event_sql("event", self._q), (row["chain"], row["chain"], key_id))
             last = cur.fetchone()
             decided = last is not None and str(last[0]) in ("resolved", "corrected")
             if not decided or status not in (

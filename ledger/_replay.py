@@ -26,6 +26,12 @@ def _cacheable(row: Row) -> bool:
 class ReplayMixin(IntegrityMixin, PrivacyMixin):
     """The replay cache and opening recorded outcomes."""
 
+    def prefetched(self, run_id: str) -> bool:
+        """Whether this ledger has loaded the run's finished effects already (they stay
+        loaded: a finished outcome never changes; one finished since, by another
+        process, is read from the database when its key is claimed)."""
+        return run_id in self._prefetched
+
     def prefetch(self, run_id: str) -> int:
         """Load a run's finished effects into memory in one range scan, so replaying them
         is a lookup plus a fingerprint check. Returns how many were loaded."""

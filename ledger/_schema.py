@@ -16,7 +16,7 @@ from sqlalchemy import (
     Table,
     Text,
 )
-from sqlalchemy.schema import CreateIndex, CreateTable
+from sqlalchemy.schema import CreateIndex, CreateTable, DropIndex
 
 from onceonly.checkpoint import Migration, migrate_component
 from onceonly.checkpoint._schema import OnlyOn, _sql
@@ -61,11 +61,14 @@ def _effects_table(meta: MetaData, *, sealed: bool) -> Table:
 _v1 = MetaData()
 _effects_v1 = _effects_table(_v1, sealed=False)
 _effects_v1_by_run = Index("oo_effects_run", _effects_v1.c.run_id)
+_effects_v3 = _effects_table(MetaData(), sealed=True)
+_effects_v3_by_run = Index("oo_effects_run", _effects_v3.c.run_id)
 effects = _effects_table(metadata, sealed=True)
-# The only secondary index: a run's effects are prefetched in one range scan. Status
-# queries (operators listing in-doubt entries) scan; indexing status would add a page
-# write to every transition on the hot path.
-effects_by_run = Index("oo_effects_run", effects.c.run_id)
+# The only secondary index: a run's effects are prefetched in one range scan, and a step's
+# (what its earlier attempt recorded) in a range of that range, however long the run.
+# Status queries (operators listing in-doubt entries) scan; indexing status would add a
+# page write to every transition on the hot path.
+effects_by_run = Index("oo_effects_run_step", effects.c.run_id, effects.c.step_id)
 
 
 def _audit_table(meta: MetaData, *, sealed: bool) -> Table:
@@ -148,6 +151,12 @@ LEDGER_MIGRATIONS: tuple[Migration, ...] = (
             ),
             CreateTable(chain_heads),
         ),
+    ),
+    Migration(
+        4,
+        "index of effects by run and step: a step reads what its earlier attempt "
+        "recorded without reading the rest of the run",
+        (DropIndex(_effects_v3_by_run), CreateIndex(effects_by_run)),
     ),
 )
 LEDGER_SCHEMA_VERSION = LEDGER_MIGRATIONS[-1].version

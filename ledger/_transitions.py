@@ -24,6 +24,7 @@ from ._integrity import (
     hash_of,
     head_of,
     head_parts,
+    last_event_sql,
     row_digest,
 )
 from ._privacy import PrivacyMixin
@@ -262,9 +263,7 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
             return False
         q = self._q
         cur.execute(
-            f"SELECT event, actor, epoch FROM oo_audit WHERE chain = {q} AND key_id = {q} "
-            f"ORDER BY seq DESC LIMIT 1",
-            (row["chain"], row["key_id"]),
+            last_event_sql("event, actor, epoch", q), (row["chain"], row["chain"], row["key_id"])
         )
         last = cur.fetchone()
         return last is not None and (str(last[0]), str(last[1]), int(last[2])) == (

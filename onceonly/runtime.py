@@ -210,7 +210,9 @@ class Runtime:
         self.store.acquire_lease(run_id, self.owner, self.lease_s)
         hold_until: float | None = None
         try:
-            self.ledger.prefetch(run_id)
+            if not self.ledger.prefetched(run_id):
+                # once per process and run: a resume after a wait reads only what is new
+                self.ledger.prefetch(run_id)
             done = 0
             while not should_stop() and (max_steps is None or done < max_steps):
                 try:
