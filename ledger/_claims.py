@@ -268,29 +268,46 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
             )
             return _Outcome("doubt", moved or row)
         if status == EffectStatus.NOT_HAPPENED.value:
-            moved = self._reclaim(cur, row, "reclaimed", resend=False, fence=fence)
+            moved = self._reclaim(
+                cur, row, "reclaimed", resend=False, fence=fence, by=identity
+            )
             if moved is None:
                 return _Outcome("inflight", row)
             return _Outcome("claim", moved, self._claim_of(moved))
         return _Outcome("doubt", row)
 
     def _reclaim(
-        self, cur: Any, row: Row, event: str, *, resend: bool, fence: RunFence | None
+        self,
+        cur: Any,
+        row: Row,
+        event: str,
+        *,
+        resend: bool,
+        fence: RunFence | None,
+        by: EffectIdentity | None = None,
     ) -> Row | None:
+        """Claim a settled entry again. ``by``: the claimer's identity; an explicit-key
+        entry that another run of the tenant claims again belongs to that run from now
+        on (its position, and retention: the entry stays while the run that acted on it
+        last, or a run sharing its keys, lives; its audit chain stays where it began)."""
         check_fence(cur, self.store, fence)
         now = self._clock()
+        changes: dict[str, Any] = {
+            "status": EffectStatus.CLAIMED.value,
+            "epoch": int(row["epoch"]) + 1,
+            "attempts": int(row["attempts"]) + 1,
+            "lease_owner": self.owner,
+            "lease_expires_at": now + self.lease_s,
+            "outcome_class": None,
+        }
+        if by is not None and by.run_id is not None and by.run_id != row["run_id"]:
+            changes["run_id"] = by.run_id
+            changes["step_id"] = by.step_id
         return self._transition(
             cur,
             row,
             event,
-            {
-                "status": EffectStatus.CLAIMED.value,
-                "epoch": int(row["epoch"]) + 1,
-                "attempts": int(row["attempts"]) + 1,
-                "lease_owner": self.owner,
-                "lease_expires_at": now + self.lease_s,
-                "outcome_class": None,
-            },
+            changes,
             expect=row["status"],
             actor=self.owner,
             detail="re-send inside the provider's dedup window" if resend else "",

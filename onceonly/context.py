@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -331,7 +332,10 @@ def _recorded_keys(ledger: Ledger, key_run: str, step_id: str) -> list[str]:
 
     The order is the order of their ``claimed`` events in the run's audit chain: creation
     times tie (a coarse or test clock) and can step backwards (NTP), and a wrong order
-    would make a correct resume look diverged.
+    would make a correct resume look diverged. An entry with no event in the run's chain
+    (an explicit key another run claimed first, then this one again: its events stay in
+    that run's chain) goes last: explicit keys match a recorded entry in any position,
+    positional ones only the first one pending.
     """
     rows = ledger.effects(run_id=key_run, step_id=step_id)
     if len(rows) < 2:
@@ -339,5 +343,5 @@ def _recorded_keys(ledger: Ledger, key_run: str, step_id: str) -> list[str]:
     first: dict[str, int] = {}
     for event in ledger.audit_events(key_run, key_ids=[r.key_id for r in rows]):
         first.setdefault(str(event["key_id"]), int(event["seq"]))
-    rows.sort(key=lambda r: (first.get(r.key_id, -1), r.created_at, r.key_id))
+    rows.sort(key=lambda r: (first.get(r.key_id, sys.maxsize), r.created_at, r.key_id))
     return [r.key_id for r in rows]

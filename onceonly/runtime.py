@@ -233,7 +233,9 @@ class Runtime:
                 else:
                     # Park the run until the other claim lapses, under a name that is not
                     # ours (our own lease counts as free to us), so no worker spins on it.
-                    ttl = max(hold_until - time.time(), 0.5)
+                    ttl = max(
+                        hold_until - self.clock(), 0.5
+                    )  # the claim's expiry: the ledger's clock
                     self.store.release_lease(run_id, self.owner)
                     with contextlib.suppress(LeaseHeld):  # another worker took it: fine
                         self.store.acquire_lease(run_id, f"{self.owner}:deferred", ttl)

@@ -8,11 +8,13 @@ controls; :mod:`property_tests.s11_flows` for the flows and the provider.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -22,6 +24,7 @@ from onceonly.checkpoint import (
     ConcurrentWrite,
     ConfigurationError,
     Durability,
+    LeaseHeld,
     RunNotFound,
     RunStatus,
     Store,
@@ -74,6 +77,8 @@ BETWEEN = (
     "ledger.commit.after",
     AFTER_EFFECTS,
 )
+CLAIM_LEASE_S = 30.0
+"""The claim lease of the model's ledgers (in the model's clock)."""
 REFUSALS = ("StepDiverged", "BranchesDiverged", "ForkDiverged", "KeyReuseError")
 """How a run refuses to go on after a deploy changed a step it is in the middle of."""
 DEPLOYS = (
@@ -208,7 +213,7 @@ class RuntimeModel(RuleBasedStateMachine):
             store,
             Keyring(self.secrets),
             owner=owner,
-            lease_s=30.0,
+            lease_s=CLAIM_LEASE_S,
             in_flight=InFlightPolicy(wait_s=0),
             clock=self.clock,
         )
@@ -278,6 +283,16 @@ class RuntimeModel(RuleBasedStateMachine):
                 return
             except CheckpointLost:
                 continue  # said once: another writer won the race; look again
+            except LeaseHeld as held:
+                # Parked until another process's live claim on one of its effects lapses
+                # (the runtime holds the run under "<owner>:deferred" meanwhile): let that
+                # time pass, in the ledger's clock and for the parking lease.
+                if not held.owner.endswith(":deferred"):
+                    raise
+                self.clock.now = max(self.clock.now, time.time()) + CLAIM_LEASE_S + 1.0
+                self.op_store.release_lease(rm.rid, held.owner)
+                self.counts.kinds["parked-on-a-live-claim"] += 1
+                continue
             except ConfigurationError:
                 # The run names a step the deployed code no longer has: refused, nothing
                 # sent (deploy code that has it, or fork the run).
@@ -684,7 +699,14 @@ class RuntimeModel(RuleBasedStateMachine):
         seen: Counter[str] = Counter(d.payload for d in log)
         for payload, n in seen.items():
             if n > 1 + self.retired.get(payload, 0):
-                out.append(f"duplicate: {payload} delivered {n} times")
+                by = [
+                    (d.run, d.key_id[:12], d.provider_key[:12]) for d in log if d.payload == payload
+                ]
+                out.append(
+                    f"duplicate: {payload} delivered {n} times (run, key, provider key: {by})"
+                )
+                if os.environ.get("S11_DEBUG") == "1":
+                    out += self._trail(payload)
                 if payload not in self.dups:
                     self.dups.add(payload)
                     self.counts.duplicates += 1
@@ -712,6 +734,25 @@ class RuntimeModel(RuleBasedStateMachine):
             if len(ts) > 1:
                 out.append(f"tenants {sorted(ts)} share the provider key {key[:12]}")
         out += self._complete()
+        return out
+
+    def _trail(self, payload: str) -> list[str]:
+        """S11_DEBUG=1: every audit event of the key ids that delivered ``payload``, and
+        the raw log (what a duplicate's cause is read from)."""
+        keys = {d.key_id for d in self.provider.log if d.payload == payload}
+
+        def events(cur: Any) -> list[Any]:
+            cur.execute("SELECT chain, seq, key_id, event, actor FROM oo_audit ORDER BY chain, seq")
+            return [row for row in cur.fetchall() if row[2] in keys]
+
+        out = [
+            f"  event {c} #{n} {k[:12]} {ev} by {who}"
+            for c, n, k, ev, who in self.op_store.read(events)
+        ]
+        out += [
+            f"  delivery {i}: {d.run} {d.payload} {d.key_id[:12]}"
+            for i, d in enumerate(self.provider.log)
+        ]
         return out
 
     def _possible(self, lineage: str, what: str, visit: int, payload: str) -> list[str]:

@@ -16,6 +16,7 @@ import pytest
 
 from onceonly.adapters import current_claim, guard
 from onceonly.checkpoint import RunStatus, Store
+from onceonly.checkpoint.failpoints import armed
 from onceonly.context import BranchContext, StepContext
 from onceonly.flow import Flow, Transition
 from onceonly.ledger import EffectRecord, EffectStatus, Evidence, RetentionPolicy
@@ -118,6 +119,57 @@ def test_retention_keeps_explicit_key_entries_while_their_run_exists(
     again = rt.start("pay-acme", {"invoice": 7}, run_id="acme-2")
     assert rt.drive(again).status is RunStatus.COMPLETED
     assert len(provider.deliveries) == 1  # still deduplicated by the kept entry
+
+
+def test_an_explicit_key_another_run_sends_at_last_stays_while_that_run_lives(
+    store: Store, ledgers: Ledgers, clock: Clock, provider: Provider
+) -> None:
+    """Found by S11's deep tier: run A claims an explicit key and dies before sending; the
+    entry is settled as not sent; run B claims it again and sends. The entry kept naming
+    A, so collecting A (finished) removed it while B and B's forks lived, and a fork of B
+    sent the payment a second time."""
+    flow = Flow("pay-acme", tenant="acme")
+
+    @flow.step(start=True)
+    def pay(ctx: StepContext) -> Transition:
+        note = guard(ctx.ledger, effect="note@1")(provider.send)  # positional, first
+        send = guard(ctx.ledger, effect="pay@1", key=lambda p: f"invoice-{p['invoice']}")(
+            provider.send
+        )
+        note(f"paying {ctx.state['invoice']}")
+        ctx.state["receipt"] = send({"invoice": ctx.state["invoice"], "tenant": "acme"})
+        return ctx.end()
+
+    rt = runtime(ledgers, [flow])
+    a = rt.start("pay-acme", {"invoice": 7}, run_id="acme-a")
+
+    def die(name: str) -> None:
+        if name == "adapters.act.before" and len(provider.deliveries) == 1:
+            raise Crash(name)  # the note went out; the payment is claimed, not sent
+
+    with armed(die), pytest.raises(Crash):
+        rt.drive(a)
+    assert provider.sent() == ["paying 7"]
+    op = Operator(store, ledgers.fresh(owner="ops"), clock=clock)
+    clock.advance(3600)  # A's claim lapses: in doubt; an operator says it was not sent
+    b = rt.start("pay-acme", {"invoice": 7}, run_id="acme-b")
+    rt2 = runtime(ledgers, [flow])
+    assert rt2.drive(b).status is RunStatus.WAITING  # parked on the entry in doubt
+    [doubt] = [r for r in op.ledger.effects() if r.status is not EffectStatus.COMMITTED]
+    op.resolve(doubt.key_id, happened=False, evidence="provider: no such payment", actor="ops")
+    assert rt2.drive(b).status is RunStatus.COMPLETED
+    paid = ["paying 7", "paying 7", {"invoice": 7, "tenant": "acme"}]  # A's note, B's, B's pay
+    assert provider.sent() == paid
+    fork = op.fork(b, store.history(b)[0].seq, actor="ops", reason="again")
+    op.cancel(a, actor="ops", reason="abandoned")
+    clock.advance(3600)
+    op.gc(older_than_s=0)
+    # a new process; the fork replays B's note and B's payment, in the order B made them
+    done = runtime(ledgers, [flow]).drive(fork)
+    assert done.status is RunStatus.COMPLETED, op.show(fork).meta.get("error")
+    assert provider.sent() == paid  # replayed, not re-sent
+    entry = next(r for r in op.ledger.effects() if r.effect == "pay@1")
+    assert (entry.run_id, entry.step_id) == (b, "pay#0")  # B sent it: the entry is B's now
 
 
 # -- a key rotation between two attempts of a step ([7] item 9) ----------------------------
