@@ -43,6 +43,7 @@ from .errors import (
 from .failpoints import arm, armed, disarm, failpoint
 from .integrity import RowKeys
 from .records import (
+    ENDED,
     CheckpointInfo,
     Durability,
     Handoff,
@@ -59,6 +60,7 @@ from .store import Store, ensure_schema, migrate, migrate_component
 from .waits import Wait, WaitKind, Waits, WaitStatus, notify_ready, subject_hash
 
 __all__ = [
+    "ENDED",
     "AsyncWriteError",
     "CheckpointInfo",
     "CheckpointLost",

@@ -195,9 +195,6 @@ class _Connections:
         return self.engine.connect().execution_options(**{READ_ONLY: True})
 
 
-_PG_READ = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"
-
-
 class _RawTxn:
     """A transaction on a DBAPI connection pinned to the calling thread (hot paths only).
 
@@ -217,6 +214,7 @@ class _RawTxn:
         self._conn: Any = None
         self._cur: Any = None
         self._pinned = False
+        self._pg_read: Any = None
 
     def __enter__(self) -> Any:
         self._conn, self._pinned = self._store._checkout()
@@ -231,7 +229,12 @@ class _RawTxn:
                 # One snapshot for the whole read, as SQLite's deferred BEGIN gives: under
                 # READ COMMITTED a check that reads in two statements sees two moments
                 # (a concurrent commit between them reads as a row missing or extra).
-                self._cur.execute(_PG_READ)
+                # Set on the connection, psycopg says it in the BEGIN it sends anyway
+                # (a SET TRANSACTION would be one more round-trip); reset on exit.
+                raw = self._conn.driver_connection
+                raw.isolation_level = _engine.pg_repeatable_read()
+                raw.read_only = True
+                self._pg_read = raw
         except BaseException:
             self._store._discard(self._conn, self._pinned)
             raise
@@ -270,6 +273,13 @@ class _RawTxn:
                 self._cur.close()
             except _engine.DRIVER_ERRORS:
                 healthy = False
+            if self._pg_read is not None:
+                try:  # the next transaction on this connection may write
+                    self._pg_read.isolation_level = None
+                    self._pg_read.read_only = None
+                except _engine.DRIVER_ERRORS:
+                    healthy = False
+                self._pg_read = None
             if healthy:
                 self._store._checkin(conn, self._pinned)
             else:

@@ -292,6 +292,13 @@ def _with_psycopg() -> None:
         DRIVER_ERRORS = (*DRIVER_ERRORS, psycopg.Error)
 
 
+def pg_repeatable_read() -> Any:
+    """psycopg's REPEATABLE READ isolation level (imported only where PostgreSQL is used)."""
+    import psycopg  # noqa: PLC0415
+
+    return psycopg.IsolationLevel.REPEATABLE_READ
+
+
 @contextlib.contextmanager
 def translate(action: str) -> Iterator[None]:
     """Translate driver errors raised inside the block into onceonly errors.

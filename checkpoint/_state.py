@@ -9,11 +9,10 @@ from typing import Any, Final
 
 from . import _delta
 from ._sql import _row_info
-from .records import CheckpointInfo, Run, RunStatus
+from .records import CheckpointInfo, Run
 
 _UNSET: Final = object()  # an argument not given (None is a value: "no next step")
 _HEAD_CACHE = 1024  # runs whose head this process keeps (least recently used dropped)
-_ENDED = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
 
 
 @dataclass

@@ -16,10 +16,11 @@ from ._migrate import _upgrade
 from ._reads import _Reads
 from ._retry import retried
 from ._sql import _DELTA, _KEYFRAME, _RUN_COLS
-from ._state import _ENDED, _UNSET, _Head, _Pending
+from ._state import _UNSET, _Head, _Pending
 from .errors import CheckpointNotFound, ConcurrentWrite, ConfigurationError, RunExists, RunNotFound
 from .failpoints import failpoint
 from .records import (
+    ENDED,
     CheckpointInfo,
     Durability,
     Handoff,
@@ -291,7 +292,7 @@ class _Writes(_Reads):
             run_values["handoff"] = self._encode_handoff(handoff)
         if next_step is not _UNSET:
             run_values["next_step"] = next_step
-        ended = status is not None and RunStatus(status) in _ENDED
+        ended = status is not None and RunStatus(status) in ENDED
         if status is not None:
             run_values["status"] = RunStatus(status).value
         if ended:

@@ -10,6 +10,7 @@ from typing import Any
 from .errors import ConfigurationError
 
 __all__ = [
+    "ENDED",
     "CheckpointInfo",
     "Durability",
     "Handoff",
@@ -32,6 +33,13 @@ class RunStatus(enum.StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+ENDED: frozenset[RunStatus] = frozenset(
+    {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED}
+)
+"""The statuses a run ends in: nothing drives it on from there (an operator's retry or
+fork does), and retention may remove it."""
 
 
 class Source(enum.StrEnum):
@@ -191,11 +199,7 @@ class RetentionPolicy:
     """
 
     older_than_s: float
-    statuses: tuple[RunStatus, ...] = (
-        RunStatus.COMPLETED,
-        RunStatus.FAILED,
-        RunStatus.CANCELLED,
-    )
+    statuses: tuple[RunStatus, ...] = tuple(s for s in RunStatus if s in ENDED)
     archive_path: str | None = None
 
     def __post_init__(self) -> None:

@@ -268,9 +268,7 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
             )
             return _Outcome("doubt", moved or row)
         if status == EffectStatus.NOT_HAPPENED.value:
-            moved = self._reclaim(
-                cur, row, "reclaimed", resend=False, fence=fence, by=identity
-            )
+            moved = self._reclaim(cur, row, "reclaimed", resend=False, fence=fence, by=identity)
             if moved is None:
                 return _Outcome("inflight", row)
             return _Outcome("claim", moved, self._claim_of(moved))

@@ -29,6 +29,7 @@ from opentelemetry import trace
 
 from onceonly.adapters import StepDiverged, step
 from onceonly.checkpoint import (
+    ENDED,
     CodecError,
     ConcurrentWrite,
     ConfigurationError,
@@ -72,7 +73,6 @@ META = "_onceonly"
 
 _VISIT = re.compile(r"\d+")
 """The visit at the head of what follows a step name's ``#`` in an effect's step id."""
-_TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
 _IN_DOUBT = (EffectStatus.UNKNOWN, EffectStatus.NEEDS_HUMAN, EffectStatus.CLAIMED)
 _tracer = trace.get_tracer("onceonly.runtime")
 
@@ -252,7 +252,7 @@ class Runtime:
         dropped.
         """
         run, snap = self.store.load_run(run_id)
-        if run.status in _TERMINAL or snap is None:
+        if run.status in ENDED or snap is None:
             return False
         flow = self._flow(run_id, run.flow)
         mig = flow.migrations
@@ -261,7 +261,7 @@ class Runtime:
                 run, snap = self.store.load_run(run_id, migrations=mig)
             except ConcurrentWrite:
                 return True  # another writer advanced the run: look again
-            if run.status in _TERMINAL or snap is None:
+            if run.status in ENDED or snap is None:
                 return False
         state = snap.state
         meta = dict(state.pop(META, None) or {})
@@ -493,7 +493,7 @@ class Runtime:
         writer ended the run (a cancel), close the wait the step opened, so no inbox
         shows a request nobody will act on."""
         with contextlib.suppress(StoreError):
-            if self.store.get_run(run_id).status in _TERMINAL:
+            if self.store.get_run(run_id).status in ENDED:
                 self.waits.cancel_open(run_id, actor=self.owner, reason="the run ended")
 
     @staticmethod

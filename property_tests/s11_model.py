@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from onceonly.checkpoint import (
+    ENDED,
     CheckpointLost,
     ConcurrentWrite,
     ConfigurationError,
@@ -53,7 +54,6 @@ from tests.ledger_support import K1, Clock
 __all__ = ["MODES", "Counts", "Crash", "RuntimeModel", "flow_specs"]
 
 MODES = tuple(d.value for d in Durability)
-_TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
 CRASH_POINTS = (
     "runtime.step.before",
     "ledger.claim.before",
@@ -815,7 +815,7 @@ class RuntimeModel(RuleBasedStateMachine):
             for rid in self.live():
                 rm = self.runs[rid]
                 status = self._status(rid)
-                if status is None or status in _TERMINAL:
+                if status is None or status in ENDED:
                     continue
                 if rm.refused:
                     self._cancel(rm)
@@ -828,7 +828,7 @@ class RuntimeModel(RuleBasedStateMachine):
             if not open_runs:
                 break
             self.timers_fire()
-        stuck = [r for r in self.live() if self._status(r) not in (*_TERMINAL, None)]
+        stuck = [r for r in self.live() if self._status(r) not in (*ENDED, None)]
         assert not stuck, f"runs never finished: {stuck}"
         if len(self.versions) == 1:
             # Nothing but a rejection may fail a run whose code never changed.

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from onceonly.checkpoint import RunStatus, Store, WaitKind, WaitRefused, migrate
+from onceonly.checkpoint import ENDED, RunStatus, Store, WaitKind, WaitRefused, migrate
 from onceonly.demo.services import HOST, HTTPService, MailService
 from onceonly.ledger import EffectStatus, Keyring, Ledger, Secret
 from onceonly.ledger import migrate as ledger_migrate
@@ -25,7 +25,7 @@ from .s3_flows import FLOWS, labels_of, plan_for
 __all__ = ["Controller", "Onboarding", "migrate_all"]
 
 KEYRING = Keyring([Secret("k1", bytes.fromhex("5a" * 32))])
-TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+TERMINAL = ENDED
 DOCUMENTS = "Tax ID: GB-{n:09d}\nIBAN: GB33 BUKB 2020 1555 5555 {n:02d}\n"
 
 

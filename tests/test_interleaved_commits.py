@@ -25,6 +25,7 @@ from sqlalchemy import event
 from onceonly.checkpoint import LeaseHeld, _connections
 from onceonly.checkpoint.store import Store
 from onceonly.ledger import Claim, EffectInFlight, Ledger
+from tests.conftest import _fresh_pg_database
 from tests.ledger_support import Ledgers, ident
 
 
@@ -287,3 +288,25 @@ def test_a_lease_let_go_between_the_refusal_and_its_explanation_is_taken(
     assert late, "the refusal was never interleaved"
     if not pg:
         assert mine.acquire_lease(rid, "mine", 30).lease_owner == "mine"
+
+
+def test_a_read_is_one_read_only_snapshot_and_the_next_write_is_not(pg_server_url: str) -> None:
+    """Reads run REPEATABLE READ, READ ONLY on PostgreSQL (said in their BEGIN); the
+    connection goes back to the server's defaults for the transaction after. (SQLite has
+    one snapshot per transaction and no isolation levels.)"""
+    url, drop = _fresh_pg_database(pg_server_url)
+    store = Store.open(url)
+    try:
+
+        def levels(cur: Any) -> tuple[str, str]:
+            cur.execute("SHOW transaction_isolation")
+            isolation = cur.fetchone()[0]
+            cur.execute("SHOW transaction_read_only")
+            return isolation, cur.fetchone()[0]
+
+        for _ in range(2):
+            assert store.read(levels) == ("repeatable read", "on")
+            assert store.transact(levels) == ("read committed", "off")
+    finally:
+        store.close()
+        drop()

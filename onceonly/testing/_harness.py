@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from onceonly.checkpoint import Durability, RunStatus, Store, WaitKind, WaitStatus
+from onceonly.checkpoint import ENDED, Durability, RunStatus, Store, WaitKind, WaitStatus
 from onceonly.checkpoint.failpoints import armed
 from onceonly.flow import Flow
 from onceonly.ledger import Keyring, Ledger, Secret
@@ -25,7 +25,7 @@ RUN_ID = "crash-harness-run"
 OWNER = "crash-harness"
 ACTOR = "crash-harness-operator"
 SECRET = Secret("crash-harness", bytes(range(32)))
-TERMINAL = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+TERMINAL = ENDED
 EXIT_CODE = 137  # what a shell reports for a SIGKILLed process
 DEFINITE = ("HTTPRejected", "EffectFailed")  # a step failed by a definite refusal
 
