@@ -275,7 +275,7 @@ def _perform(spec: _Spec, ident: EffectIdentity, call_args: Any, call: _core.Cal
                 return exc
             return evidence, result
         case _core.Reconcile(key_id, evidence, actor, result):
-            return ledger.reconcile(key_id, evidence, result=result, actor=actor)
+            return ledger.reconcile(key_id, evidence, result=result, actor=actor, by=ident)
         case _core.ReadReplay(key_id):
             return ledger.replay(key_id)
         case _core.Correct(key_id, result):

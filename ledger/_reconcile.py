@@ -13,6 +13,7 @@ from ._integrity import last_event_sql
 from ._rows import Row, effect_record
 from .errors import InvalidTransition
 from .fence import current_fence
+from .keys import EffectIdentity
 from .records import UNKNOWN_RESULT, Claim, EffectRecord, EffectStatus, Evidence, ProviderClass
 
 __all__ = ["ReconcileMixin"]
@@ -29,6 +30,7 @@ class ReconcileMixin(ClaimMixin):
         result: Any = None,
         actor: str = "probe",
         detail: str = "",
+        by: EffectIdentity | None = None,
     ) -> EffectRecord | Claim:
         """Move an in-doubt effect on, by the adapter's evidence.
 
@@ -39,6 +41,8 @@ class ReconcileMixin(ClaimMixin):
         * ``INCONCLUSIVE`` (or a window that has closed) → NEEDS_HUMAN.
 
         Only UNKNOWN entries, or CLAIMED ones whose lease expired, are reconciled.
+        ``by``: the identity of the call that re-sends (a guard's); an explicit-key entry
+        another run re-sends belongs to that run from then on, as with a claim.
 
         Raises:
             InvalidTransition: The entry is not in doubt.
@@ -69,7 +73,7 @@ class ReconcileMixin(ClaimMixin):
                 and row["window_s"] is not None
                 and (row["first_sent_at"] or 0) + float(row["window_s"]) > now
             ):
-                resend = self._reclaim(cur, row, "resend", resend=True, fence=fence)
+                resend = self._reclaim(cur, row, "resend", resend=True, fence=fence, by=by)
                 return self._must(resend, key_id), True
             else:
                 event = "needs_human"

@@ -1086,3 +1086,34 @@ def test_the_same_resolution_run_again_changes_nothing_and_succeeds(
         with pytest.raises(InvalidTransition):
             other()
     assert audit_rows(store.engine) == trail
+
+
+@pytest.mark.parametrize("how", ["claim", "resend"])
+def test_an_explicit_entry_another_run_sends_again_belongs_to_that_run(
+    ledger: Ledger, ledgers: Ledgers, clock: Clock, how: str
+) -> None:
+    """Run A claims an explicit key and dies; run B of the same tenant sends it (after A's
+    claim was settled as not sent, or by a class A re-send inside the window): the entry
+    names B and B's step from then on (retention keeps it while B lives), its events stay
+    in A's chain."""
+    a = ident(run="A", step="pay#0", explicit="invoice-7", effect="pay@1")
+    b = ident(run="B", step="charge#0", explicit="invoice-7", effect="pay@1")
+    args = {"invoice": 7}
+    a_class = ProviderClass.DEDUPLICATING
+    first = claimed(ledger.claim(a, args, provider_class=a_class, window_s=3600.0))
+    other = ledgers.fresh(owner="worker-b")
+    clock.advance(31.0)  # A's claim lapses: in doubt
+    with pytest.raises(EffectInDoubt):
+        other.claim(b, args, provider_class=a_class, window_s=3600.0)
+    if how == "claim":
+        other.reconcile(first.key_id, Evidence.NOT_HAPPENED)
+        again = claimed(other.claim(b, args, provider_class=a_class, window_s=3600.0))
+    else:
+        resent = other.reconcile(first.key_id, Evidence.WINDOW_OPEN, by=b)
+        assert isinstance(resent, Claim)
+        again = resent
+    other.commit(again, {"paid": 7})
+    rec = other.get(first.key_id)
+    assert (rec.run_id, rec.step_id, rec.status) == ("B", "charge#0", EffectStatus.COMMITTED)
+    assert [e[0] for e in events(other, "A")][-1] == "committed"
+    assert other.effects(run_id="A") == []
