@@ -60,7 +60,6 @@ from .store import Store, ensure_schema, migrate, migrate_component
 from .waits import Wait, WaitKind, Waits, WaitStatus, notify_ready, subject_hash
 
 __all__ = [
-    "ENDED",
     "AsyncWriteError",
     "CheckpointInfo",
     "CheckpointLost",
@@ -75,6 +74,7 @@ __all__ = [
     "DatabaseRetry",
     "DatabaseUnavailable",
     "Durability",
+    "ENDED",
     "Handoff",
     "KeyframePolicy",
     "LeaseHeld",
