@@ -60,6 +60,7 @@ from .store import Store, ensure_schema, migrate, migrate_component
 from .waits import Wait, WaitKind, Waits, WaitStatus, notify_ready, subject_hash
 
 __all__ = [
+    "ENDED",
     "AsyncWriteError",
     "CheckpointInfo",
     "CheckpointLost",
@@ -74,7 +75,6 @@ __all__ = [
     "DatabaseRetry",
     "DatabaseUnavailable",
     "Durability",
-    "ENDED",
     "Handoff",
     "KeyframePolicy",
     "LeaseHeld",

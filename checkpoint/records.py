@@ -10,9 +10,9 @@ from typing import Any
 from .errors import ConfigurationError
 
 __all__ = [
+    "ENDED",
     "CheckpointInfo",
     "Durability",
-    "ENDED",
     "Handoff",
     "KeyframePolicy",
     "RetentionPolicy",
