@@ -141,16 +141,8 @@ class DatabaseRetry:
             scope = _Scope(min(scope.deadline, outer.deadline), outer.stop, outer.action or action)
         token = _scope.set(scope)
         started = time.monotonic()
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(lambda e: retryable(e, idempotent=idempotent)),
-            stop=scope.done,
-            wait=self.wait(),
-            sleep=scope.sleep,
-            before_sleep=functools.partial(_log_retry, scope.action or action, scope),
-            reraise=True,
-        )
         try:
-            return retrying(fn)
+            return self._attempts(fn, scope, action, idempotent)
         except _Interrupted:
             assert scope.last is not None
             _give_up(scope.last, started, scope.attempts, "the caller is stopping")
@@ -161,6 +153,25 @@ class DatabaseRetry:
             raise
         finally:
             _scope.reset(token)
+
+    def _attempts(self, fn: Callable[[], T], scope: _Scope, action: str, idempotent: bool) -> T:
+        """Attempts until one succeeds, one fails for good, or the scope is done. A plain
+        loop: the first attempt (nearly every call) costs one ``try``."""
+        attempt = 0
+        while True:
+            attempt += 1
+            scope.attempts = attempt
+            try:
+                return fn()
+            except StoreError as exc:  # nothing else is retryable
+                if not retryable(exc, idempotent=idempotent):
+                    raise
+                pause = self.pause(attempt)
+                if scope.done(attempt, pause):
+                    raise
+                scope.last = exc
+                _log_retry(scope.action or action, scope, exc, pause, attempt)
+                scope.sleep(pause)
 
 
 class _Interrupted(Exception):
@@ -177,9 +188,9 @@ class _Scope:
     last: StoreError | None = None
     attempts: int = 0
 
-    def done(self, state: tenacity.RetryCallState) -> bool:
-        self.attempts = state.attempt_number
-        pause = state.upcoming_sleep or 0.0
+    def done(self, attempt: int, pause: float) -> bool:
+        """Whether to stop after failed attempt ``attempt`` rather than pause ``pause``."""
+        self.attempts = attempt
         if self.stop is not None and self.stop.is_set():
             return True
         return time.monotonic() + pause > self.deadline
@@ -242,17 +253,14 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__} ({text[:200]})"
 
 
-def _log_retry(action: str, scope: _Scope, state: tenacity.RetryCallState) -> None:
-    exc = state.outcome.exception() if state.outcome is not None else None
-    if isinstance(exc, StoreError):
-        scope.last = exc
+def _log_retry(action: str, scope: _Scope, exc: StoreError, pause: float, attempt: int) -> None:
     left = max(scope.deadline - time.monotonic(), 0.0)
     log.warning(
         "%s: %s; retrying in %.2f s (attempt %d, %.1f s of the retry budget left)",
         action,
-        describe(exc) if exc is not None else "failed",
-        state.upcoming_sleep,
-        state.attempt_number,
+        describe(exc),
+        pause,
+        attempt,
         left,
     )
 

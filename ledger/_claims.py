@@ -18,9 +18,9 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from onceonly.checkpoint.errors import ConfigurationError, StoreError
 from onceonly.checkpoint.failpoints import failpoint
 
-from ._integrity import effect_parts
+from ._integrity import effect_parts, row_and_last_sql, split_row
 from ._replay import ReplayMixin
-from ._rows import SELECT, TERMINAL, Row, effect_row
+from ._rows import TERMINAL, Row
 from ._schema import COLUMNS
 from ._transitions import TransitionMixin
 from .crypto import Sealer
@@ -170,18 +170,16 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
         now = self._clock()
         ids = [kid for _, kid in candidates]
         marks = ", ".join([q] * len(ids))
-        lock = " FOR UPDATE" if self._pg else ""
         if self._pg and len(ids) > 1:
             # During a rotation, workers whose current secrets differ would each find no
             # row and insert their own key id: serialise on every candidate (in one order,
             # so two claimers never deadlock). SQLite writers are serialised already.
             for kid in sorted(ids):
                 cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (kid,))
-        cur.execute(f"{SELECT} WHERE key_id IN ({marks}){lock}", ids)
+        cur.execute(row_and_last_sql(f"r.key_id IN ({marks})", lock=self._pg), ids)
         found = cur.fetchall()
         if not found:
-            self._check_absent(cur, chain, ids)
-            self._check_chain(cur, chain)
+            self._check_fresh(cur, chain, ids)
             check_fence(cur, self.store, fence)
             sid, kid = candidates[0]
             new_cipher = self._cipher_in_txn(cur, subject)
@@ -211,7 +209,8 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
                 "created_at": now,
                 "updated_at": now,
             }
-            row["seal"] = self._seal("effects", effect_parts(row))
+            parts = effect_parts(row)
+            row["seal"] = self._seal("effects", parts)
             cols = ", ".join(COLUMNS)
             cur.execute(
                 f"INSERT INTO oo_effects ({cols}) VALUES ({', '.join([q] * len(COLUMNS))}) "
@@ -219,13 +218,13 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
                 [row[c] for c in COLUMNS],
             )
             if cur.rowcount == 1:
-                self._append(cur, row, "claimed", self.owner, "")
+                self._append(cur, row, "claimed", self.owner, "", digest=parts[2])
                 return _Outcome("claim", row, self._claim_of(row), new_cipher)
             # Lost an insert race (PostgreSQL): read the winner's row under lock.
-            cur.execute(f"{SELECT} WHERE key_id = {q}{lock}", (kid,))
+            cur.execute(row_and_last_sql(f"r.key_id = {q}", lock=self._pg), (kid,))
             found = cur.fetchall()
-        row = effect_row(found[0])
-        self._check_row(cur, row)
+        row, last = split_row(found[0])
+        self._check_row(cur, row, last)
         if row["status"] not in TERMINAL:
             self._check_chain(cur, row["chain"])  # a store behind its witness acts on nothing
         if row["fingerprint"] != fps.get(row["secret_id"]):

@@ -31,7 +31,8 @@ import blake3
 from onceonly.checkpoint import RowKeys
 from onceonly.checkpoint.errors import CorruptRecord
 
-from ._rows import Row
+from ._rows import Row, effect_row
+from ._schema import COLUMNS
 from ._state import LedgerState
 from .errors import LEDGER_HINT, StoreRolledBack
 
@@ -135,6 +136,38 @@ def last_event_sql(cols: str, q: str, ids: int = 1) -> str:
     )
 
 
+def row_and_last_sql(where: str, *, lock: bool) -> str:
+    """Effect rows (``where`` on alias ``r``), each with its newest audit event in its
+    chain (``EVENT_COLS`` and ``mac`` after the row's columns, NULL when it has none):
+    the row and what :meth:`IntegrityMixin._check_row` compares it with, in one
+    statement.
+
+    ``lock`` (PostgreSQL): the rows alone, ``FOR UPDATE``. A locking read that waited
+    for a concurrent writer returns the row as that writer committed it, but a joined
+    event as it was before (READ COMMITTED re-reads only the locked row): the event is
+    read after the lock is held, by :meth:`IntegrityMixin._check_row` itself.
+    """
+    rcols = ", ".join(f"r.{c}" for c in COLUMNS)
+    if lock:
+        return f"SELECT {rcols} FROM oo_effects r WHERE {where} FOR UPDATE"
+    ecols = ", ".join(f"e.{c.strip()}" for c in EVENT_COLS.split(","))
+    return (
+        f"SELECT {rcols}, {ecols}, e.mac FROM oo_effects r LEFT JOIN oo_audit e ON "
+        f"e.chain = r.chain AND e.seq = (SELECT MAX(m.seq) FROM oo_audit m WHERE "
+        f"m.chain = r.chain AND m.key_id = r.key_id) WHERE {where}"
+    )
+
+
+def split_row(found: Sequence[Any]) -> tuple[Row, Sequence[Any] | None]:
+    """A :func:`row_and_last_sql` result: the row, and its last event (None: none;
+    ``()``: not read with the row)."""
+    n = len(COLUMNS)
+    if len(found) == n:
+        return effect_row(found), ()
+    last = found[n:]
+    return effect_row(found[:n]), (None if last[0] is None else last)
+
+
 def event_parts(ev: Sequence[Any]) -> list[object]:
     """What an event's MAC covers: every field (``EVENT_COLS`` order)."""
     (chain, seq, key_id, event, epoch, status, actor, detail, digest, at, prev, h) = ev[:12]
@@ -193,6 +226,26 @@ def head_of(cur: Any, q: str, keys: RowKeys | None, chain: str) -> tuple[int, by
     return seq, h
 
 
+def whole_since_sql(q: str, absent: int = 0) -> str:
+    """The statement :func:`whole_since` reads (parameters ``(verified, chain, chain)``);
+    with ``absent`` key ids, it also reads the newest event of any of them in the chain
+    (two more columns; parameters ``(verified, chain, chain, chain, chain, *key_ids)``):
+    a fresh claim's two checks in one statement."""
+    sql = (
+        f"SELECT h.seq, h.hash, h.seal, (SELECT COUNT(*) FROM oo_audit a WHERE a.chain = "
+        f"h.chain AND a.seq > {q} AND a.seq <= h.seq), (SELECT MAX(a.seq) FROM oo_audit a "
+        f"WHERE a.chain = h.chain), (SELECT 1 FROM oo_audit e WHERE e.chain = {q} LIMIT 1)"
+    )
+    if not absent:
+        return f"{sql} FROM (SELECT 1 AS one) d LEFT JOIN oo_chain_heads h ON h.chain = {q}"
+    marks = ", ".join([q] * absent)
+    return (
+        f"{sql}, x.key_id, x.event FROM (SELECT 1 AS one) d LEFT JOIN oo_chain_heads h "
+        f"ON h.chain = {q} LEFT JOIN oo_audit x ON x.chain = {q} AND x.seq = (SELECT "
+        f"MAX(m.seq) FROM oo_audit m WHERE m.chain = {q} AND m.key_id IN ({marks}))"
+    )
+
+
 def whole_since(
     cur: Any,
     q: str,
@@ -207,18 +260,18 @@ def whole_since(
         CorruptRecord: Events are missing (deleted, newest included), the head is
             missing while events remain, or the last event is not the sealed head.
     """
-    where = None if chain.startswith("tenant:") else chain
     # One statement (one snapshot under READ COMMITTED): the head, the events since and
     # whether the chain has any event. Read in two statements, a chain whose first event
     # and head a concurrent claim commits between them reads as "events but no head".
-    cur.execute(
-        f"SELECT h.seq, h.hash, h.seal, (SELECT COUNT(*) FROM oo_audit a WHERE a.chain = "
-        f"h.chain AND a.seq > {q} AND a.seq <= h.seq), (SELECT MAX(a.seq) FROM oo_audit a "
-        f"WHERE a.chain = h.chain), (SELECT 1 FROM oo_audit e WHERE e.chain = {q} LIMIT 1) "
-        f"FROM (SELECT 1 AS one) d LEFT JOIN oo_chain_heads h ON h.chain = {q}",
-        (verified, chain, chain),
-    )
-    found = cur.fetchone()
+    cur.execute(whole_since_sql(q), (verified, chain, chain))
+    return judge_whole(cur, q, keys, chain, verified, cur.fetchone())
+
+
+def judge_whole(
+    cur: Any, q: str, keys: RowKeys | None, chain: str, verified: int, found: Sequence[Any]
+) -> int:
+    """:func:`whole_since`'s verdict on the row its statement read."""
+    where = None if chain.startswith("tenant:") else chain
     if found is None or found[0] is None:
         if found is not None and found[5] is not None:
             raise CorruptRecord(
@@ -304,31 +357,36 @@ def verify_chain(
 class IntegrityMixin(LedgerState):
     """The checks a claim makes before it acts, and the seals rows are checked against."""
 
-    def _check_row(self, cur: Any, row: Row) -> None:
+    def _check_row(self, cur: Any, row: Row, last: Sequence[Any] | None = ()) -> None:
         """Refuse a row that fails its seal, or differs from the state its last audit
-        event recorded, or whose last event fails its MAC.
+        event recorded, or whose last event fails its MAC. ``last``: the row's newest
+        event (None: none) when it was read with the row (:func:`row_and_last_sql`).
 
         Raises:
             CorruptRecord: The row was edited (its unkeyed digest recomputed or not),
                 forged, rolled back alone, or moved to another run's chain.
         """
         q = self._q
-        if self._keys is not None and not self._keys.valid(
-            "effects", effect_parts(row), row.get("seal")
-        ):
+        parts = effect_parts(row)
+        if self._keys is not None and not self._keys.valid("effects", parts, row.get("seal")):
             raise CorruptRecord(
                 f"effect {row['key_id']} fails its keyed seal (edited, forged or written "
                 f"without the keyring); it is not acted on. Run `onceonly audit verify`",
                 run_id=row["run_id"],
                 hint=LEDGER_HINT,
             )
-        cur.execute(
-            last_event_sql(f"{EVENT_COLS}, mac", q), (row["chain"], row["chain"], row["key_id"])
-        )
-        found = cur.fetchone()
+        found: Sequence[Any] | None
+        if last == ():
+            cur.execute(
+                last_event_sql(f"{EVENT_COLS}, mac", q),
+                (row["chain"], row["chain"], row["key_id"]),
+            )
+            found = cur.fetchone()
+        else:
+            found = last
         if (
             found is None
-            or bytes(found[8]) != row_digest(row)
+            or bytes(found[8]) != parts[2]
             or not check_event(self._keys, found, found[12])
         ):
             raise CorruptRecord(
@@ -338,24 +396,51 @@ class IntegrityMixin(LedgerState):
                 hint=LEDGER_HINT,
             )
 
-    def _check_chain(self, cur: Any, chain: str) -> None:
+    def _check_chain(
+        self, cur: Any, chain: str, found: Any = None, mark: tuple[int, float] | None = None
+    ) -> None:
         """Before a claim acts: the chain is whole up to its sealed head (what was
         appended since this process last checked it), and not behind the witness.
+        ``found``: the row :meth:`_check_fresh` read already (the chain part of it),
+        counted from ``mark`` (:meth:`_chain_mark` when it was read).
 
         Raises:
             CorruptRecord: Events are missing, the head is missing or was replaced.
             StoreRolledBack: The chain is behind its witness.
         """
-        seen, counted = self._verified.get(chain, (0, 0.0))
-        now = time.monotonic()
-        if now - counted > _RECOUNT_S:
-            seen, counted = 0, now  # count the whole chain again now and then
-        head = whole_since(cur, self._q, self._keys, chain, seen)
+        seen, counted = self._chain_mark(chain) if mark is None else mark
+        if found is None:
+            head = whole_since(cur, self._q, self._keys, chain, seen)
+        else:
+            head = judge_whole(cur, self._q, self._keys, chain, seen, found)
         self._verified[chain] = (head, counted)
         if self.witness is not None:
             seen = self.witness.heads.get(chain, 0)
             if head < seen:
                 raise StoreRolledBack(chain, head, seen, self.witness.path)
+
+    def _chain_mark(self, chain: str) -> tuple[int, float]:
+        """Up to which event this process has counted ``chain`` whole, and when it last
+        counted it in full (0 now and then: the whole chain is counted again)."""
+        seen, counted = self._verified.get(chain, (0, 0.0))
+        now = time.monotonic()
+        if now - counted > _RECOUNT_S:
+            return 0, now
+        return seen, counted
+
+    def _check_fresh(self, cur: Any, chain: str, ids: list[str]) -> None:
+        """A claim of a key with no row: :meth:`_check_absent` and :meth:`_check_chain`,
+        read in one statement."""
+        # one mark for the statement and its verdict (read twice, the recount could
+        # start between them: events counted from one point, judged from another)
+        mark = self._chain_mark(chain)
+        q = self._q
+        cur.execute(
+            whole_since_sql(q, absent=len(ids)), (mark[0], chain, chain, chain, chain, *ids)
+        )
+        found = cur.fetchone()
+        self._check_absent(cur, chain, ids, None if found[6] is None else found[6:8])
+        self._check_chain(cur, chain, found, mark)
 
     def _witness_claim(self, chain: str) -> None:
         """Advance the witness to the chain's head, durably, before the claim acts."""
@@ -364,18 +449,25 @@ class IntegrityMixin(LedgerState):
             if head is not None:
                 self.witness.advance(chain, head[0])
 
-    def _check_absent(self, cur: Any, chain: str, ids: list[str]) -> None:
+    def _check_absent(
+        self, cur: Any, chain: str, ids: list[str], last: Sequence[Any] | None = ()
+    ) -> None:
         """Refuse to claim a key whose row is gone while its audit events remain (a
         deleted row would otherwise let the effect happen again); a row removed by
-        retention ends with a ``retired`` event.
+        retention ends with a ``retired`` event. ``last``: the newest event of the key
+        (``(key_id, event)``, None for none) when :meth:`_check_fresh` read it already.
 
         Raises:
             CorruptRecord: The entry's row was deleted.
         """
         q = self._q
         marks = ", ".join([q] * len(ids))
-        cur.execute(last_event_sql("key_id, event", q, len(ids)), (chain, chain, *ids))
-        found = cur.fetchone()
+        found: Sequence[Any] | None
+        if last == ():
+            cur.execute(last_event_sql("key_id, event", q, len(ids)), (chain, chain, *ids))
+            found = cur.fetchone()
+        else:
+            found = last
         if found is not None and found[1] != "retired":
             # Under READ COMMITTED (PostgreSQL) a concurrent claimer may have committed its
             # row and first event between our read of the row and this read of the events:

@@ -25,10 +25,12 @@ from ._integrity import (
     head_of,
     head_parts,
     last_event_sql,
+    row_and_last_sql,
     row_digest,
+    split_row,
 )
 from ._privacy import PrivacyMixin
-from ._rows import SELECT, Row, effect_record, effect_row
+from ._rows import Row, effect_record
 from .errors import LEDGER_HINT, InvalidTransition, LeaseLost, UnknownEffect
 from .records import Claim, EffectRecord, EffectStatus, OutcomeClass
 
@@ -196,14 +198,12 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         """
 
         def txn(cur: Any) -> tuple[Row, LeaseLost | None]:
-            q = self._q
-            lock = " FOR UPDATE" if self._pg else ""
-            cur.execute(f"{SELECT} WHERE key_id = {q}{lock}", (claim.key_id,))
+            cur.execute(row_and_last_sql(f"r.key_id = {self._q}", lock=self._pg), (claim.key_id,))
             found = cur.fetchone()
             if found is None:
                 raise UnknownEffect(claim.key_id)
-            row = effect_row(found)
-            self._check_row(cur, row)
+            row, last = split_row(found)
+            self._check_row(cur, row, last)
             if int(row["epoch"]) == claim.epoch and row["status"] == EffectStatus.CLAIMED.value:
                 moved = self._transition(
                     cur,
@@ -287,13 +287,12 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         return row
 
     def _locked_row(self, cur: Any, key_id: str) -> Row:
-        lock = " FOR UPDATE" if self._pg else ""
-        cur.execute(f"{SELECT} WHERE key_id = {self._q}{lock}", (key_id,))
+        cur.execute(row_and_last_sql(f"r.key_id = {self._q}", lock=self._pg), (key_id,))
         found = cur.fetchone()
         if found is None:
             raise UnknownEffect(key_id)
-        row = effect_row(found)
-        self._check_row(cur, row)
+        row, last = split_row(found)
+        self._check_row(cur, row, last)
         return row
 
     # -- transitions and the audit chain --------------------------------------------------
@@ -313,7 +312,8 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         q = self._q
         now = self._clock()
         new = {**row, **changes, "updated_at": now}
-        changes = {**changes, "seal": self._seal("effects", effect_parts(new))}
+        parts = effect_parts(new)
+        changes = {**changes, "seal": self._seal("effects", parts)}
         new["seal"] = changes["seal"]
         sets = ", ".join(f"{c} = {q}" for c in [*changes, "updated_at"])
         cur.execute(
@@ -328,7 +328,7 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         )
         if cur.rowcount != 1:
             return None
-        self._append(cur, new, event, actor, detail)
+        self._append(cur, new, event, actor, detail, digest=parts[2])
         return new
 
     def _append(
@@ -340,12 +340,14 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         detail: str,
         *,
         epoch: int | None = None,
+        digest: Any = None,
     ) -> None:
         """Append a sealed event to the row's chain, linked to the chain's sealed head,
         and advance the head.
 
         The event records the row's state (status, digest); ``epoch`` overrides the
-        event's epoch (a refused late outcome names the stale epoch it came from).
+        event's epoch (a refused late outcome names the stale epoch it came from);
+        ``digest``: the row's digest when the caller has just computed it.
 
         The insert only succeeds if the event it links to is still the last one (and its
         sequence number is free), so a stale cached head, a rolled-back transaction or a
@@ -356,7 +358,7 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         """
         q = self._q
         chain = row["chain"]
-        digest = row_digest(row)
+        digest = row_digest(row) if digest is None else digest
         at = float(row["updated_at"])
         event_epoch = int(row["epoch"]) if epoch is None else epoch
         head = self._heads.get(chain)

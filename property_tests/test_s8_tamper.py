@@ -353,8 +353,8 @@ def test_control_a_ledger_without_its_row_check_is_caught(
 ) -> None:
     b = Bench(f"sqlite:///{tmp_path / 'control.db'}", tmp_path)
     try:
-        monkeypatch.setattr(Ledger, "_check_row", lambda self, cur, row: None)
-        monkeypatch.setattr(Ledger, "_check_absent", lambda self, cur, chain, ids: None)
+        monkeypatch.setattr(Ledger, "_check_row", lambda self, cur, row, *last: None)
+        monkeypatch.setattr(Ledger, "_check_absent", lambda self, cur, chain, ids, *last: None)
         monkeypatch.setattr(Ledger, "_audited_rows", lambda self, cur, rows: rows)
         out = b.judge(
             "status edit",
@@ -758,8 +758,8 @@ def test_control_a_ledger_that_does_not_check_its_chain_is_caught(
     for home in ("_transitions", "_integrity"):  # appending, and prefetch's scan
         monkeypatch.setattr(f"onceonly.ledger.{home}.head_of", last_event)
     monkeypatch.setattr(Ledger, "_advance_head", lambda self, cur, chain, old, seq, h: None)
-    monkeypatch.setattr(Ledger, "_check_chain", lambda self, cur, chain: None)
-    monkeypatch.setattr(Ledger, "_check_absent", lambda self, cur, chain, ids: None)
+    monkeypatch.setattr(Ledger, "_check_chain", lambda self, cur, chain, *read: None)
+    monkeypatch.setattr(Ledger, "_check_absent", lambda self, cur, chain, ids, *last: None)
     lg = Ledgers(f"sqlite:///{tmp_path / 'control.db'}", Clock(1_800_000_000.0))
     try:
         w = _directed_world(lg, tmp_path)

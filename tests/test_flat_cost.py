@@ -13,6 +13,7 @@ first.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,7 +28,10 @@ from onceonly.flow import Flow, Transition
 from onceonly.ledger import EffectIdentity, Keyring, Ledger, Secret
 from onceonly.runtime import Runtime
 
+from .statements import watch_statements
+
 SECRET = Secret("k1", bytes(range(32)))
+_FOR_UPDATE = re.compile(r" FOR UPDATE\b")
 SHORT, LONG = 60, 600
 """Calls (or steps) in the short and the long run."""
 
@@ -42,20 +46,18 @@ class Meter:
         self.steps = 0
         self.reads: list[tuple[str, Any]] = []
         hooked: set[int] = set()
-        meter = self
-        enter = _RawTxn.__enter__
 
-        def counted(txn: _RawTxn) -> Any:
-            cur = enter(txn)
-            if meter.sqlite:
-                raw = txn._conn.driver_connection
-                if id(raw) not in hooked:
-                    hooked.add(id(raw))
-                    raw.set_progress_handler(meter._tick, 1)
-                return cur
-            return _Recording(cur, meter)
+        def entered(txn: _RawTxn) -> None:
+            raw = txn._conn.driver_connection
+            if self.sqlite and id(raw) not in hooked:
+                hooked.add(id(raw))
+                raw.set_progress_handler(self._tick, 1)
 
-        monkeypatch.setattr(_RawTxn, "__enter__", counted)
+        watch_statements(monkeypatch, self._seen, entered=entered)
+
+    def _seen(self, sql: str, params: Any) -> None:
+        if self.on and not self.sqlite and sql.lstrip().upper().startswith("SELECT"):
+            self.reads.append((_FOR_UPDATE.sub("", sql), params))
 
     def _tick(self) -> int:
         if self.on:
@@ -93,22 +95,6 @@ class Meter:
             return total
         finally:
             conn.close()
-
-
-class _Recording:
-    """A DBAPI cursor that notes the reads run through it while its meter is on."""
-
-    def __init__(self, cur: Any, meter: Meter) -> None:
-        self._cur = cur
-        self._meter = meter
-
-    def execute(self, sql: str, params: Any = None) -> Any:
-        if self._meter.on and sql.lstrip().upper().startswith("SELECT"):
-            self._meter.reads.append((sql.replace(" FOR UPDATE", ""), params))
-        return self._cur.execute(sql, params)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cur, name)
 
 
 def _ratio(short: int, long: int) -> float:

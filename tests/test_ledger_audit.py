@@ -621,3 +621,34 @@ def test_retention_removes_only_finished_entries_of_gone_runs_past_their_window(
     with pytest.raises(UnknownEffect):
         ledger.get(kept["live_run"])
     assert ledger.verify().ok
+
+
+def test_a_claim_judges_a_chain_from_the_point_it_counted_it_from(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim counts the events of its chain since the point this process last checked
+    it, and now and then from the start (a recount). Whatever the clock does between
+    the count and the verdict, they use the same point: counted from the last check
+    and judged as a recount, a whole chain reads as events missing (issue [10])."""
+    for i in range(5):
+        out = claimed(ledger.claim(ident(i), {"i": i}))
+        ledger.commit(out, {"ok": i})
+    import time
+
+    import onceonly.ledger._integrity as integrity
+
+    base = time.monotonic()
+    # each read of the clock is 0.3 s after the one before: the recount interval (1 s)
+    # runs out in the middle of any claim that reads the clock more than once
+    ticks = itertools.count()
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return base + 0.3 * next(ticks)
+
+    monkeypatch.setattr(integrity, "time", Clock)
+    for i in range(5, 25):
+        out = claimed(ledger.claim(ident(i), {"i": i}))
+        ledger.commit(out, {"ok": i})
+    assert ledger.verify().ok
