@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what editors and mypy see; at run time, __getattr__ below
     from .context import BranchContext, StepContext
     from .errors import ApprovalMismatch, FlowNotRegistered, RunError, RunNotResumable
-    from .flow import End, Fail, Flow, Next, WaitFor
+    from .flow import End, Fail, Flow, Next, StepRetry, WaitFor
     from .operator import GcReport, Operator, RunView
     from .runtime import Runtime, default_owner
     from .worker import Worker, WorkerStats
@@ -40,6 +40,7 @@ __all__ = [
     "RunView",
     "Runtime",
     "StepContext",
+    "StepRetry",
     "WaitFor",
     "Worker",
     "WorkerStats",
@@ -62,6 +63,7 @@ _WHERE = {
     "RunView": "operator",
     "Runtime": "runtime",
     "StepContext": "context",
+    "StepRetry": "flow",
     "WaitFor": "flow",
     "Worker": "worker",
     "WorkerStats": "worker",

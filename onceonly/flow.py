@@ -21,7 +21,7 @@ from onceonly.checkpoint import ConfigurationError, StateMigrations
 if TYPE_CHECKING:
     from .context import StepContext
 
-__all__ = ["End", "Fail", "Flow", "Next", "Step", "Transition", "WaitFor"]
+__all__ = ["End", "Fail", "Flow", "Next", "Step", "StepRetry", "Transition", "WaitFor"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 
@@ -74,6 +74,63 @@ class WaitFor:
     on_expire: str | None = None
 
 
+@dataclass(frozen=True)
+class StepRetry:
+    """Durable retries of a step whose code raises (a flaky dependency).
+
+    A failed attempt does not hold a process: the run waits on a timer (shown by
+    ``onceonly runs show``, kept across restarts and deploys), then runs the same step
+    visit again, so the effects its earlier attempts recorded replay instead of acting
+    again. The error of every attempt is kept (type, message, traceback); after the
+    last attempt the run fails with it. A step that returns ``ctx.fail(...)`` is not
+    retried, and neither are the runtime's own refusals (a key reused with other
+    arguments, an approval of another subject, an effect in doubt: those park or fail
+    the run as without a policy).
+
+    Attributes:
+        attempts: Attempts in all, the first included (1: no retry).
+        backoff_s: Pause before the second attempt.
+        multiplier: Growth of the pause per attempt.
+        max_backoff_s: Longest pause.
+        on: Exception types that are retried (others fail the run at once).
+    """
+
+    attempts: int = 3
+    backoff_s: float = 1.0
+    multiplier: float = 2.0
+    max_backoff_s: float = 86_400.0
+    on: tuple[type[BaseException], ...] = (Exception,)
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.attempts, int)
+            or self.attempts < 1
+            or self.backoff_s < 0
+            or self.multiplier < 1
+            or self.max_backoff_s < self.backoff_s
+        ):
+            raise ConfigurationError(
+                "StepRetry needs attempts >= 1, backoff_s >= 0, multiplier >= 1 and "
+                "max_backoff_s >= backoff_s"
+            )
+        if (
+            not isinstance(self.on, tuple)
+            or not self.on
+            or not all(isinstance(t, type) and issubclass(t, BaseException) for t in self.on)
+        ):
+            raise ConfigurationError("StepRetry.on is a non-empty tuple of exception types")
+
+    def pause(self, failed: int) -> float:
+        """Seconds to wait after failed attempt ``failed`` (1, 2, ...)."""
+        return float(
+            min(self.backoff_s * self.multiplier ** max(failed - 1, 0), self.max_backoff_s)
+        )
+
+    def retries(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is one this policy retries."""
+        return isinstance(exc, self.on)
+
+
 Transition = Next | End | Fail | WaitFor
 Step = Callable[["StepContext"], Transition]
 
@@ -115,6 +172,7 @@ class Flow:
         self.migrations = migrations
         self.tenant = tenant
         self.steps: dict[str, Step] = {}
+        self.retries: dict[str, StepRetry] = {}
         self.start: str | None = None
 
     @overload
@@ -122,14 +180,28 @@ class Flow:
 
     @overload
     def step(
-        self, fn: None = None, /, *, name: str | None = None, start: bool = False
+        self,
+        fn: None = None,
+        /,
+        *,
+        name: str | None = None,
+        start: bool = False,
+        retry: StepRetry | None = None,
     ) -> Callable[[Step], Step]: ...
 
     def step(
-        self, fn: Step | None = None, /, *, name: str | None = None, start: bool = False
+        self,
+        fn: Step | None = None,
+        /,
+        *,
+        name: str | None = None,
+        start: bool = False,
+        retry: StepRetry | None = None,
     ) -> Step | Callable[[Step], Step]:
         """Register a step (decorator). The first registered step starts unless another
-        says ``start=True``."""
+        says ``start=True``; ``retry``: how an error the step raises is retried."""
+        if retry is not None and not isinstance(retry, StepRetry):
+            raise ConfigurationError(f"retry= takes a StepRetry, not {type(retry).__name__}")
 
         def register(f: Step) -> Step:
             step_name = name or f.__name__
@@ -138,6 +210,8 @@ class Flow:
                     f"step name {step_name!r} of flow {self.name!r} is malformed or taken"
                 )
             self.steps[step_name] = f
+            if retry is not None:
+                self.retries[step_name] = retry
             if start or self.start is None:
                 self.start = step_name
             return f

@@ -255,7 +255,8 @@ class Operator:
             reason or "retry",
             status=RunStatus.RUNNING,
             next_step=nxt,
-            meta_update={"visits": visits, "next": nxt},
+            # a fresh set of attempts for a step with a retry policy
+            meta_update={"visits": visits, "next": nxt, "attempts": {}},
             parent=snap.info.seq,
         )
         self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))

@@ -17,10 +17,12 @@ the ledger holds), who started the run, and the next step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import socket
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -64,7 +66,7 @@ from onceonly.ledger import (
 
 from .context import StepContext, _Position, _recorded_keys
 from .errors import ApprovalMismatch, FlowNotRegistered, ForkDiverged
-from .flow import End, Fail, Flow, Next, Transition, WaitFor, flow_map
+from .flow import End, Fail, Flow, Next, StepRetry, Transition, WaitFor, flow_map
 
 __all__ = ["META", "Runtime", "default_owner"]
 
@@ -72,6 +74,25 @@ META = "_onceonly"
 """The reserved state channel holding the runtime's bookkeeping."""
 
 _VISIT = re.compile(r"\d+")
+log = logging.getLogger("onceonly.runtime")
+_TRACEBACK_CHARS = 8000
+
+
+def _error_record(name: str, exc: BaseException, *, attempt: int | None = None) -> dict[str, Any]:
+    """What the run keeps of a step's error: its type, message and traceback (the end of
+    it, where the error was raised), and the attempt it ended."""
+    tb = "".join(traceback.format_exception(exc))
+    record: dict[str, Any] = {
+        "step": name,
+        "type": type(exc).__name__,
+        "message": str(exc)[:2000],
+        "traceback": tb[-_TRACEBACK_CHARS:],
+    }
+    if attempt is not None:
+        record["attempt"] = attempt
+    return record
+
+
 """The visit at the head of what follows a step name's ``#`` in an effect's step id."""
 _IN_DOUBT = (EffectStatus.UNKNOWN, EffectStatus.NEEDS_HUMAN, EffectStatus.CLAIMED)
 _tracer = trace.get_tracer("onceonly.runtime")
@@ -353,6 +374,9 @@ class Runtime:
             except (StepDiverged, KeyReuseError, ApprovalMismatch, LedgerError) as exc:
                 return self._fail(run, meta, name, exc, parent)
             except Exception as exc:  # noqa: BLE001  (a step's own error fails the run)
+                policy = flow.retries.get(name)
+                if policy is not None and policy.retries(exc):
+                    return self._retry_later(run, meta, name, visit, exc, parent, policy)
                 return self._fail(run, meta, name, exc, parent)
         if isinstance(transition, Fail):
             # Like an error: the step's changes are dropped and the visit is not counted,
@@ -372,6 +396,12 @@ class Runtime:
             return False
         done = dict(meta)
         done["visits"] = {**visits, name: visit + 1}
+        # the visit succeeded: its retry bookkeeping is done with
+        failed = dict(done.get("attempts") or {})
+        if failed.pop(step_id, None) is not None:
+            done["attempts"] = failed
+            done.pop("retry", None)
+            done.pop("last_error", None)
         try:
             return self._transition(run, flow, step_id, ctx, done, transition, parent)
         except (ConfigurationError, WaitRefused, CodecError) as exc:
@@ -590,13 +620,104 @@ class Runtime:
             origin = str((meta.get("forked_from") or {}).get("run") or key_run)
             raise ForkDiverged(run_id, step_id, origin, sorted(lost))
 
+    def _retry_later(
+        self,
+        run: Run,
+        meta: dict[str, Any],
+        name: str,
+        visit: int,
+        exc: BaseException,
+        parent: int,
+        policy: StepRetry,
+    ) -> bool:
+        """A step's attempt raised an error its :class:`StepRetry` retries: wait on a
+        timer (holding no process), then run the same visit again; its recorded effects
+        replay. After the last attempt, fail the run. Nothing the step did to the state
+        is kept."""
+        step_id = f"{name}#{visit}"
+        attempts = dict(meta.get("attempts") or {})
+        failed = int(attempts.get(step_id, 0)) + 1
+        attempts[step_id] = failed
+        meta["attempts"] = attempts
+        if failed >= policy.attempts:
+            meta.pop("retry", None)
+            meta.pop("last_error", None)
+            return self._fail(run, meta, name, exc, parent, attempt=failed)
+        due = self.clock() + policy.pause(failed)
+        wait_name = f"retry.{name}.{visit}.{failed}"
+        if wait_name in (meta.get("waits") or {}):
+            # a fresh set of attempts after an operator's retry: a timer of its own
+            wait_name = f"{wait_name}.{parent}"
+        wait = self.waits.open(run.run_id, wait_name, WaitKind.TIMER, due_at=due, opened_by=step_id)
+        meta["last_error"] = _error_record(name, exc, attempt=failed)
+        meta["retry"] = {
+            "step": name,
+            "visit": visit,
+            "failed": failed,
+            "attempts": policy.attempts,
+            "due_at": due,
+            "wait": wait_name,
+        }
+        meta["waiting"] = {
+            "name": wait_name,
+            "instance": wait.instance,
+            "kind": WaitKind.TIMER.value,
+            "then": name,
+            "on_reject": None,
+            "on_expire": None,
+        }
+        meta["next"] = name
+        log.warning(
+            "run %s: step %s failed (attempt %d of %d): %s: %s; retrying in %.1f s",
+            run.run_id,
+            name,
+            failed,
+            policy.attempts,
+            type(exc).__name__,
+            str(exc)[:500],
+            due - self.clock(),
+            exc_info=exc,
+            extra={"event": "step_retry", "run_id": run.run_id, "step": name},
+        )
+        if not self._save(
+            run,
+            f"{name}:retry",
+            {},
+            meta,
+            name,
+            RunStatus.WAITING,
+            run.handoff,
+            parent=parent,
+            only_meta=True,
+        ):
+            self._drop_orphan_wait(run.run_id)
+            return False
+        return self.waits.wake_if_settled(run.run_id, wait_name, wait.instance)
+
     def _fail(
-        self, run: Run, meta: dict[str, Any], name: str, exc: BaseException, parent: int
+        self,
+        run: Run,
+        meta: dict[str, Any],
+        name: str,
+        exc: BaseException,
+        parent: int,
+        *,
+        attempt: int | None = None,
     ) -> bool:
         """Fail the run at step ``name``: nothing the step did to the state is kept (it
         may have changed values in place), the visit is not counted, and a retry runs
-        the same visit again (its recorded effects replay)."""
-        meta["error"] = {"step": name, "type": type(exc).__name__, "message": str(exc)[:2000]}
+        the same visit again (its recorded effects replay). The error is kept with its
+        traceback, and logged."""
+        meta["error"] = _error_record(name, exc, attempt=attempt)
+        log.error(
+            "run %s failed at step %s: %s: %s",
+            run.run_id,
+            name,
+            type(exc).__name__,
+            str(exc)[:500],
+            exc_info=exc,
+            extra={"event": "run_failed", "run_id": run.run_id, "step": name},
+        )
         self._save(
             run,
             f"{name}:failed",

@@ -18,7 +18,7 @@ from typing import Any
 
 from onceonly.adapters import current_claim, guard
 from onceonly.context import StepContext
-from onceonly.flow import Flow, Transition
+from onceonly.flow import Flow, StepRetry, Transition
 
 __all__ = ["FLOWS", "LEASE", "PUBLISH", "REPAIR", "deliveries"]
 
@@ -103,4 +103,16 @@ def report(ctx: StepContext) -> Transition:
     return ctx.end({"claim_lease_s": ctx.ledger.lease_s})
 
 
-FLOWS = [PUBLISH, REPAIR, LEASE]
+# Steps whose dependency always times out: retried on an hour's timer, or at once.
+PATIENT = Flow("patient")
+IMPATIENT = Flow("impatient")
+
+
+def _times_out(ctx: StepContext) -> Transition:
+    raise TimeoutError(f"the quote service did not answer for {ctx.run_id}")
+
+
+PATIENT.step(name="quote", retry=StepRetry(attempts=3, backoff_s=3600))(_times_out)
+IMPATIENT.step(name="quote", retry=StepRetry(attempts=2, backoff_s=0))(_times_out)
+
+FLOWS = [PUBLISH, REPAIR, LEASE, PATIENT, IMPATIENT]

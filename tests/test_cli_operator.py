@@ -116,6 +116,37 @@ def env(db_url: str, store: Store, ledgers: Ledgers, tmp_path: Path) -> Env:
     return Env(db_url, store, Runtime(store, ledger, FLOWS, owner="w1"), tmp_path / "outbox")
 
 
+# -- step retries ---------------------------------------------------------------------------
+
+
+def test_runs_show_tells_a_step_being_retried_and_the_error_that_failed_a_run(env: Env) -> None:
+    waiting = env.runtime.start("patient", {}, run_id="r-patient")
+    assert env.drive(waiting) is RunStatus.WAITING
+    shown = env.json("runs", "show", waiting)
+    assert (shown["retry"]["step"], shown["retry"]["failed"], shown["retry"]["attempts"]) == (
+        "quote",
+        1,
+        3,
+    )
+    assert shown["last_error"]["type"] == "TimeoutError"
+    assert [w["name"] for w in shown["waits"]] == ["retry.quote.0.1"]
+    text = env.cli("runs", "show", waiting, "--tables").output
+    assert "retrying" in text
+    assert "attempt 2 of 3 in 59m" in text or "attempt 2 of 3 in 1h" in text
+    assert "TimeoutError: the quote service did not answer for r-patient" in text  # traceback
+    assert "last error" in text
+
+    failed = env.runtime.start("impatient", {}, run_id="r-impatient")
+    assert env.drive(failed) is RunStatus.FAILED  # both attempts at once (no pause)
+    shown = env.json("runs", "show", failed)
+    assert (shown["error"]["type"], shown["error"]["attempt"]) == ("TimeoutError", 2)
+    assert "in _times_out" in shown["error"]["traceback"]
+    assert shown["retry"] is None
+    text = env.cli("runs", "show", failed, "--tables").output
+    assert "TimeoutError in quote (attempt 2)" in text
+    assert "Traceback (most recent call last)" in text
+
+
 # -- approvals ------------------------------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ from onceonly.checkpoint import (
 )
 from onceonly.context import BranchContext, StepContext
 from onceonly.errors import RunNotResumable
-from onceonly.flow import Flow, Transition
+from onceonly.flow import Flow, StepRetry, Transition
 from onceonly.ledger import EffectIdentity, EffectStatus
 from onceonly.operator import Operator
 from onceonly.runtime import META, Runtime
@@ -198,6 +198,129 @@ def test_a_step_that_raises_after_an_effect_fails_and_a_retry_replays_it(env: En
     assert env.state(rid)["log"] == ["working"]
     assert env.state(rid)["receipt"] == {"id": 1, "payload": "hello"}
     assert env.meta(rid)["error"] is None
+
+
+def _flaky(env: Env, failures: list[BaseException], retry: StepRetry) -> Flow:
+    """A step that sends, changes the state in place, then raises the next of
+    ``failures`` (until there are none)."""
+    flow = Flow("flaky")
+
+    @flow.step(start=True, retry=retry)
+    def work(ctx: StepContext) -> Transition:
+        ctx.state["log"].append("working")  # in place: must not survive a failed attempt
+        ctx.state["receipt"] = env.send(ctx, "send@1", "hello")
+        if failures:
+            raise failures.pop(0)
+        return ctx.next("done")
+
+    @flow.step
+    def done(ctx: StepContext) -> Transition:
+        env.send(ctx, "done@1", "bye")
+        return ctx.end()
+
+    return flow
+
+
+def test_a_flaky_step_is_retried_on_a_timer_and_its_effects_replay(env: Env) -> None:
+    failures: list[BaseException] = [TimeoutError("upstream slow"), ConnectionError("reset")]
+    retry = StepRetry(attempts=3, backoff_s=10, multiplier=3, on=(OSError,))
+    rt = env.runtime(_flaky(env, failures, retry))
+    rid = rt.start("flaky", {"log": []})
+    assert rt.drive(rid).status is RunStatus.WAITING  # attempt 1 failed: a timer, no process
+    meta = env.meta(rid)
+    assert meta["retry"] == {
+        "step": "work",
+        "visit": 0,
+        "failed": 1,
+        "attempts": 3,
+        "due_at": env.clock.now + 10,
+        "wait": "retry.work.0.1",
+    }
+    last = meta["last_error"]
+    assert (last["type"], last["message"], last["attempt"]) == ("TimeoutError", "upstream slow", 1)
+    assert "in work" in last["traceback"]
+    assert "TimeoutError: upstream slow" in last["traceback"]
+    assert meta.get("error") is None
+    assert env.state(rid)["log"] == []
+    assert "receipt" not in env.state(rid)
+
+    env.clock.advance(9.9)
+    assert rt.drive(rid).status is RunStatus.WAITING  # not due yet: nothing runs
+    assert env.provider.sent() == ["hello"]
+    env.clock.advance(0.1)
+    assert rt.drive(rid).status is RunStatus.WAITING  # attempt 2 failed: 30 s this time
+    assert env.meta(rid)["retry"]["due_at"] == env.clock.now + 30
+    assert env.meta(rid)["last_error"]["type"] == "ConnectionError"
+    env.clock.advance(30)
+    assert rt.drive(rid).status is RunStatus.COMPLETED  # attempt 3 succeeded
+    assert env.provider.sent() == ["hello", "bye"]  # the send of attempts 1-2 replayed
+    assert env.state(rid)["log"] == ["working"]
+    meta = env.meta(rid)
+    assert "retry" not in meta
+    assert "last_error" not in meta
+    assert meta["attempts"] == {}
+    assert [meta["waits"][w]["status"] for w in ("retry.work.0.1", "retry.work.0.2")] == [
+        "fired",
+        "fired",
+    ]
+
+
+def test_the_last_attempt_fails_the_run_with_its_traceback(env: Env) -> None:
+    failures: list[BaseException] = [RuntimeError(f"down {i}") for i in range(5)]
+    rt = env.runtime(_flaky(env, failures, StepRetry(attempts=2, backoff_s=1)))
+    rid = rt.start("flaky", {"log": []})
+    assert rt.drive(rid).status is RunStatus.WAITING
+    env.clock.advance(1)
+    run = rt.drive(rid)
+    assert (run.status, run.next_step) == (RunStatus.FAILED, "work")
+    error = env.meta(rid)["error"]
+    assert (error["type"], error["message"], error["attempt"]) == ("RuntimeError", "down 1", 2)
+    assert "RuntimeError: down 1" in error["traceback"]
+    assert "retry" not in env.meta(rid)
+    # an operator's retry gives the step a fresh set of attempts
+    env.operator.retry(rid, actor="ops", reason="upstream back")
+    assert rt.drive(rid).status is RunStatus.WAITING
+    assert env.meta(rid)["retry"]["failed"] == 1
+    assert env.provider.sent() == ["hello"]
+
+
+@pytest.mark.parametrize("why", ["not listed", "ctx.fail"])
+def test_only_the_errors_a_policy_lists_are_retried(env: Env, why: str) -> None:
+    flow = Flow("picky")
+
+    @flow.step(start=True, retry=StepRetry(attempts=5, on=(TimeoutError,)))
+    def work(ctx: StepContext) -> Transition:
+        if why == "ctx.fail":
+            return ctx.fail("the input is wrong")
+        raise ValueError("a bug, not a flake")
+
+    rt = env.runtime(flow)
+    rid = rt.start("picky")
+    assert rt.drive(rid).status is RunStatus.FAILED
+    assert "retry" not in env.meta(rid)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"attempts": 0},
+        {"backoff_s": -1},
+        {"multiplier": 0.5},
+        {"backoff_s": 10, "max_backoff_s": 5},
+        {"on": ()},
+        {"on": (int,)},
+        {"on": [TimeoutError]},
+    ],
+)
+def test_a_malformed_retry_policy_is_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError, match="StepRetry"):
+        StepRetry(**bad)
+
+
+def test_a_step_takes_only_a_retry_policy() -> None:
+    flow = Flow("typed")
+    with pytest.raises(ConfigurationError, match="StepRetry"):
+        flow.step(retry=3)  # type: ignore[call-overload]
 
 
 def test_a_step_that_crashes_half_way_is_rerun_and_its_effects_replay(env: Env) -> None:

@@ -29,7 +29,7 @@ from onceonly.flow import Flow, Transition
 from onceonly.ledger import EffectStatus, Keyring, Ledger, Secret
 from onceonly.ledger import migrate as ledger_migrate
 from onceonly.operator import Operator
-from onceonly.runtime import Runtime
+from onceonly.runtime import META, Runtime
 from onceonly.worker import Worker
 
 from .worker_flows import FLOWS, CountingProvider, Delivery
@@ -407,6 +407,42 @@ def test_a_timer_wakes_a_run_on_sqlite_by_polling(
     assert 1.5 <= woke.at - started < 1.5 + 2.0
     assert_once(provider.log, {napping: {"woke"}, other: {"e0", "e1"}})
     assert fleet.stop("w1") == 0
+
+
+@pytest.mark.slow
+def test_a_flaky_step_is_retried_on_timers_across_a_killed_worker(
+    any_url: str, provider: CountingProvider, fleet_on: Callable[[str], Fleet]
+) -> None:
+    """A step whose dependency fails its first two calls: each failure parks the run on
+    a retry timer (no worker held); the worker that scheduled the first retry is killed
+    and another runs the rest. The effect made before the failing call is delivered
+    once over the three attempts, and the worker logs each failure with its traceback."""
+    fleet = fleet_on(any_url)
+    fleet.spawn("w1", lease_s=10, poll_s=0.2)
+    with runtime_on(any_url) as rt:
+        rid = rt.start("flaky", {"url": provider.url, "fail_first": 2})
+        wait_until(
+            lambda: (
+                provider.flaky_calls[rid] >= 1 and rt.store.get_run(rid).status is RunStatus.WAITING
+            ),
+            20,
+            "the first retry scheduled",
+        )
+        fleet.kill("w1")
+        fleet.spawn("w2", lease_s=10, poll_s=0.2)
+        wait_until(lambda: rt.store.get_run(rid).status is RunStatus.COMPLETED, 30, "completed")
+        meta = rt.store.load(rid).state[META]
+        assert [n for n in meta["waits"] if n.startswith("retry.")] == [
+            "retry.book.0.1",
+            "retry.book.0.2",
+        ]
+    assert fleet.stop("w2") == 0
+    assert provider.flaky_calls[rid] == 3
+    assert_once(provider.log, {rid: {"held", "confirmed"}})
+    logs = fleet.log("w1") + fleet.log("w2")
+    assert "step book failed (attempt 1 of 4)" in logs
+    assert "Unavailable: the dependency answered 503 (call 1)" in logs
+    assert "Traceback (most recent call last)" in logs
 
 
 # -- one worker in this process (both backends) ---------------------------------------

@@ -16,6 +16,7 @@ acted without recording the outcome).
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import threading
 import time
@@ -30,7 +31,7 @@ from starlette.routing import Route
 
 from onceonly.adapters.http import GuardedHTTP
 from onceonly.context import StepContext
-from onceonly.flow import Flow, Transition
+from onceonly.flow import Flow, StepRetry, Transition
 from onceonly.testing.servers import AppServer
 
 __all__ = ["FLOWS", "CountingProvider", "Delivery"]
@@ -136,7 +137,34 @@ def wake(ctx: StepContext) -> Transition:
     return ctx.end("woke")
 
 
-FLOWS = [batch, pause, approval, timer]
+# -- flaky: an effect, then a dependency that fails its first calls (durable retries) ---
+flaky = Flow("flaky", version="1")
+
+
+class Unavailable(Exception):
+    """The flaky dependency answered 503."""
+
+
+@flaky.step(start=True, retry=StepRetry(attempts=4, backoff_s=0.5, on=(Unavailable,)))
+def book(ctx: StepContext) -> Transition:
+    """Deliver ``held`` (once, whatever the attempts), then ask the flaky dependency,
+    which fails its first ``fail_first`` calls for this run."""
+    ctx.state["receipt"] = _send(ctx, "held")
+    got = _clients.get(os.getpid()) or httpx.Client(timeout=5.0)
+    answer = got.get(f"{ctx.state['url']}/flaky/{ctx.run_id}/{ctx.state['fail_first']}")
+    if answer.status_code == 503:
+        raise Unavailable(f"the dependency answered 503 (call {answer.json()['call']})")
+    return ctx.next("confirm")
+
+
+@flaky.step
+def confirm(ctx: StepContext) -> Transition:
+    """Deliver ``confirmed`` and end."""
+    _send(ctx, "confirmed")
+    return ctx.end("confirmed")
+
+
+FLOWS = [batch, pause, approval, timer, flaky]
 
 
 # -- the oracle ---------------------------------------------------------------------------
@@ -160,10 +188,12 @@ class CountingProvider:
         self._by_key: dict[str, Any] = {}
         self.lookups = 0
         self.hold: dict[str, float] = {}
+        self.flaky_calls: collections.Counter[str] = collections.Counter()
         self.app = Starlette(
             routes=[
                 Route("/lookup/{key}", self._lookup, methods=["GET"]),
                 Route("/deliver", self._deliver, methods=["POST"]),
+                Route("/flaky/{run}/{fail_first:int}", self._flaky, methods=["GET"]),
             ]
         )
         self._http = AppServer(self.app, name="the counting provider")
@@ -217,6 +247,14 @@ class CountingProvider:
         if hold:
             await asyncio.sleep(hold)
         return JSONResponse(response, 201)
+
+    async def _flaky(self, request: Request) -> Response:
+        run = str(request.path_params["run"])
+        with self._lock:
+            self.flaky_calls[run] += 1
+            call = self.flaky_calls[run]
+        status = 503 if call <= int(request.path_params["fail_first"]) else 200
+        return JSONResponse({"call": call}, status)
 
     async def _lookup(self, request: Request) -> Response:
         with self._lock:

@@ -213,6 +213,8 @@ def _show_doc(store: Store, v: RunView) -> dict[str, Any]:
         "effects": [record_json(e) for e in v.effects],
         "operator_log": plain(codec, v.meta.get("operator_log") or []),
         "error": plain(codec, v.meta.get("error")),
+        "retry": plain(codec, v.meta.get("retry")),
+        "last_error": plain(codec, v.meta.get("last_error")),
         "forked_from": plain(codec, v.meta.get("forked_from")),
         "key_run": v.meta.get("key_run"),
     }
@@ -247,8 +249,20 @@ def _print_view(doc: dict[str, Any]) -> None:
         head.add_row("forked from", f"{f['run']} at checkpoint {f['seq']} by {f['by']}")
     if doc["error"]:
         e = doc["error"]
+        after = f" (attempt {e['attempt']})" if e.get("attempt") else ""
         head.add_row(
-            "error", Text(f"{e.get('type')} in {e.get('step')}: {e.get('message')}", "red")
+            "error",
+            Text(f"{e.get('type')} in {e.get('step')}{after}: {e.get('message')}", "red"),
+        )
+    if doc["retry"]:
+        r, e = doc["retry"], doc["last_error"] or {}
+        head.add_row(
+            "retrying",
+            Text(
+                f"{r['step']}: attempt {r['failed'] + 1} of {r['attempts']} "
+                f"{ago(r['due_at'], now)}, after {e.get('type')}: {e.get('message')}",
+                "yellow",
+            ),
         )
     h = doc["handoff"]
     for label, value in (
@@ -260,6 +274,9 @@ def _print_view(doc: dict[str, Any]) -> None:
         if value:
             head.add_row(label, value)
     con.print(Panel(head, title=Text(f"run {doc['run_id']}"), expand=False))
+    for label, e in (("error", doc["error"]), ("last error", doc["last_error"])):
+        if e and e.get("traceback"):
+            con.print(Panel(Text(str(e["traceback"]).rstrip()), title=Text(label), expand=False))
 
     if doc["waits"]:
         waits = Table(title="waits")
