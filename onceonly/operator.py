@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from onceonly.checkpoint import (
+    ENDED,
     CheckpointInfo,
     ConcurrentWrite,
     ConfigurationError,
     Handoff,
     RetentionPolicy,
     Run,
+    RunExists,
     RunStatus,
     Source,
     Store,
@@ -346,6 +348,111 @@ class Operator:
             self.waits.wake_if_settled(new, str(waiting["name"]))
         self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
         return new
+
+    def restart(
+        self, run_id: str, *, actor: str, reason: str, new_run_id: str | None = None
+    ) -> str:
+        """Start the run over, for a plan that was wrong: a new run from the state the
+        run began with (its first checkpoint), in a key space of its own, so every effect
+        happens again for the new run. The old run's effects stay recorded and visible;
+        the old run is cancelled unless it has ended; both say where the other is
+        (``restarted_as``, ``restarted_from``). The new run takes the old one's latest
+        handoff note (what was ruled out stays ruled out).
+
+        Resume (``retry``) goes on from where a run stopped and replays its effects; a
+        fork starts from any checkpoint and shares its origin's keys (it never sends an
+        effect the origin made); a restart starts from the beginning and sends again.
+
+        Repeating a restart that was interrupted finishes it (the new run's default id,
+        ``RUN.restart-N``, is the same): it never makes two.
+
+        Returns:
+            The new run's id.
+
+        Raises:
+            ConfigurationError: No actor or reason, or the run began waiting (a fork from
+                a wait): fork it from a checkpoint instead.
+        """
+        if not actor.strip() or not reason.strip():
+            raise ConfigurationError("a restart needs the operator's identity and a reason")
+        origin, head = self.store.load_run(run_id)
+        done = list(((head.state.get(META) or {}) if head else {}).get("restarted_as") or [])
+        first = self.store.load(run_id, 0)
+        state = first.state
+        began = dict(state.pop(META, None) or {})
+        if began.get("waiting") or not began.get("next"):
+            raise ConfigurationError(
+                f"run {run_id!r} began waiting (a fork from a wait) or with no step: fork it "
+                f"from a checkpoint instead (`onceonly runs fork`)"
+            )
+        new = new_run_id or f"{run_id}.restart-{len(done) + 1}"
+        at = self.clock()
+        state[META] = {
+            "visits": dict(began.get("visits") or {}),
+            "waiting": None,
+            "waits": dict(began.get("waits") or {}),
+            "key_run": new,  # its own key space: its effects happen again
+            "started_by": began.get("started_by"),
+            "next": began["next"],
+            "restarted_from": {"run": run_id, "by": actor, "reason": reason, "at": at},
+            "operator_log": [
+                {"at": at, "by": actor, "action": "operator:restart", "reason": reason}
+            ],
+        }
+        try:
+            self.store.start_run(
+                origin.flow,
+                state,
+                run_id=new,
+                step="operator:restart",
+                code_version=origin.code_version,
+                state_version=first.info.schema_version,
+                next_step=str(began["next"]),
+                handoff=origin.handoff,
+                status=RunStatus.RUNNING,
+                source=Source.OPERATOR,
+            )
+        except RunExists:
+            # An earlier restart of this run that did not finish: finish it.
+            mine = (self.store.load(new, 0).state.get(META) or {}).get("restarted_from") or {}
+            if mine.get("run") != run_id:
+                raise
+        if new not in done:
+            self._mark_restarted(run_id, new, done, actor, reason)
+        self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
+        return new
+
+    def _mark_restarted(
+        self, run_id: str, new: str, done: list[str], actor: str, reason: str
+    ) -> None:
+        """Record on the old run that it was restarted as ``new``; cancel it unless it has
+        ended (decided on the run as the checkpoint finds it, looked at again if a
+        worker's checkpoint lands first)."""
+        for _ in range(8):
+            ended = self.store.get_run(run_id).status in ENDED
+
+            def unchanged(run: Run, ended: bool = ended) -> None:
+                if (run.status in ENDED) != ended:
+                    raise ConcurrentWrite(run_id, -1)
+
+            if not ended:
+                self.waits.cancel_open(run_id, actor=actor, reason=f"restarted as {new}")
+            try:
+                self._operator_checkpoint(
+                    run_id,
+                    "operator:restart",
+                    actor,
+                    f"restarted as {new}: {reason}",
+                    status=None if ended else RunStatus.CANCELLED,
+                    meta_update={"restarted_as": [*done, new]},
+                    expect=unchanged,
+                )
+            except ConcurrentWrite:
+                continue
+            if not ended:  # what a step opened after the first sweep
+                self.waits.cancel_open(run_id, actor=actor, reason=f"restarted as {new}")
+            return
+        raise ConcurrentWrite(run_id, -1)
 
     def note(self, run_id: str, handoff: Handoff) -> Run:
         """Replace the run's handoff note."""

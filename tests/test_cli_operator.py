@@ -403,6 +403,35 @@ def test_a_fork_asks_again_and_replays_what_its_origin_sent(env: Env) -> None:
     assert len(env.sent()) == 1
 
 
+def test_a_restart_sends_again_in_a_new_run_and_cancels_the_old(env: Env) -> None:
+    rid = env.publish("r9")
+    env.approve(rid)
+    assert env.drive(rid) is RunStatus.WAITING  # sent, waiting for the ack
+    assert len(env.sent()) == 1
+    doc = env.json("runs", "restart", rid, "--reason", "wrong recipient", "--as", "gina")
+    assert doc == {
+        "run_id": "r9.restart-1",
+        "restarted_from": rid,
+        "old_status": "cancelled",
+        "by": "gina",
+    }
+    old, new = env.json("runs", "show", rid), env.json("runs", "show", "r9.restart-1")
+    assert old["restarted_as"] == ["r9.restart-1"]
+    assert (new["restarted_from"]["run"], new["restarted_from"]["reason"]) == (
+        rid,
+        "wrong recipient",
+    )
+    assert old["effects"] and old["effects"][0]["status"] == "committed"  # still recorded
+    assert env.drive("r9.restart-1") is RunStatus.WAITING  # asks again: a new approval
+    env.approve("r9.restart-1", user="hank")
+    assert env.drive("r9.restart-1") is RunStatus.WAITING
+    assert len(env.sent()) == 2  # a new key space: sent again
+    text = env.cli("runs", "restart", rid, "--reason", "and again").output
+    assert text.startswith(f"restarted {rid} (cancelled) as r9.restart-2 (by ops);")
+    shown = env.cli("runs", "show", "r9.restart-2", "--tables").output
+    assert f"restarted from  {rid} by ops: and again" in shown
+
+
 def test_a_fork_needs_a_next_step_and_a_reason(env: Env) -> None:
     rid = env.runtime.start("repair", {"broken": False}, run_id="r2")
     assert env.drive(rid) is RunStatus.COMPLETED

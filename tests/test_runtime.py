@@ -513,6 +513,82 @@ def test_a_resume_reruns_only_the_branch_that_failed(env: Env) -> None:
     assert env.state(rid)["booked"] == {"hotel": 1, "flight": 2}
 
 
+# -- restart on purpose -------------------------------------------------------------------
+
+
+def _plan(env: Env, fail: list[bool]) -> Flow:
+    flow = Flow("plan")
+
+    @flow.step(start=True)
+    def book(ctx: StepContext) -> Transition:
+        ctx.state["hotel"] = env.send(ctx, "hotel@1", ctx.state["city"])
+        if fail and fail.pop(0):
+            return ctx.fail("the plan was wrong: wrong dates")
+        return ctx.end("booked")
+
+    return flow
+
+
+def test_a_restart_starts_over_in_a_key_space_of_its_own(env: Env) -> None:
+    rt = env.runtime(_plan(env, [True]))
+    rid = rt.start("plan", {"city": "Oslo"}, run_id="trip", started_by="ann")
+    env.operator.note(rid, Handoff(goal="book Oslo", ruled_out=("the 3rd: sold out",)))
+    assert rt.drive(rid).status is RunStatus.FAILED
+    new = env.operator.restart(rid, actor="ops", reason="wrong dates")
+    assert new == "trip.restart-1"
+    assert rt.drive(new).status is RunStatus.COMPLETED
+    # the new run's effects happened again; the old run's stay recorded and visible
+    assert env.provider.sent() == ["Oslo", "Oslo"]
+    assert [r.status for r in env.ledger.effects(run_id=rid)] == [EffectStatus.COMMITTED]
+    assert [r.status for r in env.ledger.effects(run_id=new)] == [EffectStatus.COMMITTED]
+    assert env.store.get_run(rid).status is RunStatus.FAILED  # it had ended: left as it is
+    old, fresh = env.meta(rid), env.meta(new)
+    assert old["restarted_as"] == [new]
+    assert (fresh["restarted_from"]["run"], fresh["restarted_from"]["by"]) == (rid, "ops")
+    assert (fresh["key_run"], fresh["started_by"]) == (new, "ann")
+    assert env.store.get_run(new).handoff.ruled_out == ("the 3rd: sold out",)
+    assert env.state(new)["city"] == "Oslo"
+    assert env.operator.restart(rid, actor="ops", reason="again") == "trip.restart-2"
+
+
+def test_a_restart_of_a_waiting_run_cancels_it_and_asks_again(env: Env) -> None:
+    rt = env.runtime(_approval_flow(env))
+    rid = rt.start("invoice", {"amount": 70})
+    assert rt.drive(rid).status is RunStatus.WAITING
+    new = env.operator.restart(rid, actor="ops", reason="amount was wrong")
+    assert env.store.get_run(rid).status is RunStatus.CANCELLED
+    assert [w.status for w in env.operator.show(rid).waits] == [WaitStatus.CANCELLED]
+    assert rt.drive(new).status is RunStatus.WAITING
+    assert [w.status for w in env.operator.show(new).waits] == [WaitStatus.OPEN]
+
+
+def test_an_interrupted_restart_is_finished_by_repeating_it(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rt = env.runtime(_plan(env, [True]))
+    rid = rt.start("plan", {"city": "Rome"})
+    assert rt.drive(rid).status is RunStatus.FAILED
+
+    def crash(*_: Any) -> None:
+        raise KeyboardInterrupt  # the operator's process dies after the new run exists
+
+    with monkeypatch.context() as m:
+        m.setattr(Operator, "_mark_restarted", crash)
+        with pytest.raises(KeyboardInterrupt):
+            env.operator.restart(rid, actor="ops", reason="wrong")
+    assert env.operator.restart(rid, actor="ops", reason="wrong") == f"{rid}.restart-1"
+    assert env.meta(rid)["restarted_as"] == [f"{rid}.restart-1"]
+    assert [r.run_id for r in env.store.list_runs()].count(f"{rid}.restart-1") == 1
+
+
+@pytest.mark.parametrize(("actor", "reason"), [("", "why"), ("ops", " ")])
+def test_a_restart_needs_an_actor_and_a_reason(env: Env, actor: str, reason: str) -> None:
+    rt = env.runtime(_plan(env, [True]))
+    rid = rt.start("plan", {"city": "Rome"})
+    with pytest.raises(ConfigurationError, match="identity and a reason"):
+        env.operator.restart(rid, actor=actor, reason=reason)
+
+
 # -- waits -------------------------------------------------------------------------------
 
 

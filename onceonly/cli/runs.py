@@ -216,6 +216,8 @@ def _show_doc(store: Store, v: RunView) -> dict[str, Any]:
         "retry": plain(codec, v.meta.get("retry")),
         "last_error": plain(codec, v.meta.get("last_error")),
         "forked_from": plain(codec, v.meta.get("forked_from")),
+        "restarted_from": plain(codec, v.meta.get("restarted_from")),
+        "restarted_as": plain(codec, v.meta.get("restarted_as") or []),
         "key_run": v.meta.get("key_run"),
     }
 
@@ -247,6 +249,11 @@ def _print_view(doc: dict[str, Any]) -> None:
     if doc["forked_from"]:
         f = doc["forked_from"]
         head.add_row("forked from", f"{f['run']} at checkpoint {f['seq']} by {f['by']}")
+    if doc["restarted_from"]:
+        f = doc["restarted_from"]
+        head.add_row("restarted from", f"{f['run']} by {f['by']}: {f['reason']}")
+    if doc["restarted_as"]:
+        head.add_row("restarted as", ", ".join(doc["restarted_as"]))
     if doc["error"]:
         e = doc["error"]
         after = f" (attempt {e['attempt']})" if e.get("attempt") else ""
@@ -487,6 +494,36 @@ def runs_fork(
         emit_json({"run_id": new, "forked_from": {"run": run_id, "seq": seq}, "by": by})
         return
     click.echo(f"forked {run_id} at checkpoint {seq} as {new} (by {by}); {line}")
+
+
+@runs.command("restart")
+@click.argument("run_id")
+@click.option("--reason", required=True, help="Why the run starts over (kept in both runs).")
+@click.option("--new-id", default=None, help="The new run's id (default: RUN.restart-N).")
+@actor_option
+@url_option
+@json_option
+def runs_restart(
+    run_id: str,
+    reason: str,
+    new_id: str | None,
+    actor: str | None,
+    url: str | None,
+    as_json: bool,
+) -> None:
+    """Start RUN over, for a plan that was wrong: a new run from the state RUN began with,
+    in a key space of its own, so its effects happen again. RUN's effects stay recorded;
+    RUN is cancelled unless it has ended. Repeated after an interruption, it finishes the
+    same restart."""
+    by = identity(actor)
+    with operator(url) as op:
+        new = op.restart(run_id, actor=by, reason=reason, new_run_id=new_id)
+        line = _run_line(op, new)
+        old = op.store.get_run(run_id).status.value
+    if as_json:
+        emit_json({"run_id": new, "restarted_from": run_id, "old_status": old, "by": by})
+        return
+    click.echo(f"restarted {run_id} ({old}) as {new} (by {by}); {line}")
 
 
 @click.command("approve")
