@@ -452,7 +452,8 @@ class Operator:
             if not ended:  # what a step opened after the first sweep
                 self.waits.cancel_open(run_id, actor=actor, reason=f"restarted as {new}")
             return
-        raise ConcurrentWrite(run_id, -1)
+        # workers kept advancing the run: say at which checkpoint it is now
+        raise ConcurrentWrite(run_id, int(self.store.get_run(run_id).head_seq or 0))
 
     def note(self, run_id: str, handoff: Handoff) -> Run:
         """Replace the run's handoff note."""

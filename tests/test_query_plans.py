@@ -20,7 +20,7 @@ the check must name that read.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -117,15 +117,6 @@ def scans(store: Store, statements: dict[str, Statement]) -> dict[str, list[str]
     finally:
         conn.close()
     return found
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = Store.open(db_url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def _identity(i: int) -> EffectIdentity:
