@@ -41,6 +41,9 @@ __all__ = ["StoreRolledBack"]  # re-exported from .errors for the ledger's own u
 # How long a chain counted whole stays trusted below its head in this process before a
 # claim counts it in full again (a delete made while a worker runs is caught this late).
 _RECOUNT_S = 1.0
+# A recount's cost grows with the chain; the interval grows with it so that recounting
+# takes at most 1/_RECOUNT_SHARE of a busy process's time (a long run's claims stay flat).
+_RECOUNT_SHARE = 50.0
 
 GENESIS = bytes(32)
 
@@ -413,6 +416,7 @@ class IntegrityMixin(LedgerState):
             head = whole_since(cur, self._q, self._keys, chain, seen)
         else:
             head = judge_whole(cur, self._q, self._keys, chain, seen, found)
+        self._counted(chain, (seen, counted))
         self._verified[chain] = (head, counted)
         if self.witness is not None:
             seen = self.witness.heads.get(chain, 0)
@@ -424,9 +428,15 @@ class IntegrityMixin(LedgerState):
         counted it in full (0 now and then: the whole chain is counted again)."""
         seen, counted = self._verified.get(chain, (0, 0.0))
         now = time.monotonic()
-        if now - counted > _RECOUNT_S:
+        if now - counted > max(_RECOUNT_S, self._recount_cost.get(chain, 0.0) * _RECOUNT_SHARE):
             return 0, now
         return seen, counted
+
+    def _counted(self, chain: str, mark: tuple[int, float]) -> None:
+        """Note how long a recount of ``chain`` begun at ``mark`` took (the next one
+        waits in proportion: :data:`_RECOUNT_SHARE`)."""
+        if mark[0] == 0:
+            self._recount_cost[chain] = max(time.monotonic() - mark[1], 0.0)
 
     def _check_fresh(self, cur: Any, chain: str, ids: list[str]) -> None:
         """A claim of a key with no row: :meth:`_check_absent` and :meth:`_check_chain`,

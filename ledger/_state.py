@@ -52,6 +52,7 @@ class LedgerState:
     _heads: dict[str, tuple[int, bytes]]
     # chain -> (head known whole in this process, when it was last counted in full)
     _verified: dict[str, tuple[int, float]]
+    _recount_cost: dict[str, float]
     _terminal: dict[str, Row]  # finished rows replayed from memory, by key id
     _prefetched: set[str]  # runs whose finished effects were loaded
     _live: set[tuple[str, int]]  # claims this object handed out, open

@@ -127,6 +127,7 @@ class Ledger(ReconcileMixin, QueryMixin):
             store.attach_integrity(self._keys)
         # chain -> (head known whole in this process, when it was last counted in full)
         self._verified: dict[str, tuple[int, float]] = {}
+        self._recount_cost: dict[str, float] = {}
         path = (witness if witness is not None else os.environ.get("ONCEONLY_WITNESS", "")) or None
         self.witness = None if path is None else store.attach_witness(path)
         self._behind: StoreRolledBack | None = None

@@ -652,3 +652,47 @@ def test_a_claim_judges_a_chain_from_the_point_it_counted_it_from(
         out = claimed(ledger.claim(ident(i), {"i": i}))
         ledger.commit(out, {"ok": i})
     assert ledger.verify().ok
+
+
+def test_a_slow_recount_is_made_less_often(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recount of a chain costs in proportion to its length; the next one waits at
+    least fifty times as long as the last took, so that recounting a long run's chain
+    takes a bounded share of the process's time however long the run grows."""
+    import onceonly.ledger._integrity as integrity
+
+    now = [1_000_000.0]
+    slow = [0.0]  # how long the next read of the clock finds the last statement took
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            now[0] += slow[0]
+            slow[0] = 0.0
+            return now[0]
+
+    monkeypatch.setattr(integrity, "time", Clock)
+
+    def claim(i: int) -> float:
+        out = claimed(ledger.claim(ident(i), {"i": i}))
+        ledger.commit(out, {"ok": i})
+        return ledger._verified["run-1"][1]  # when the chain was last counted in full
+
+    first = claim(0)  # counted in full: the process never saw the chain
+    now[0] += 2.0  # past the one-second floor: the next claim recounts, taking 3 s
+    original = integrity.judge_whole
+
+    def slow_judge(*args: Any) -> int:
+        slow[0] = 3.0
+        return original(*args)
+
+    monkeypatch.setattr(integrity, "judge_whole", slow_judge)
+    second = claim(1)
+    assert second > first
+    monkeypatch.setattr(integrity, "judge_whole", original)
+    now[0] += 100.0  # 1 s would be due; 50 x 3 s is not
+    assert claim(2) == second
+    now[0] += 60.0
+    assert claim(3) > second
+    assert ledger.verify().ok
