@@ -343,7 +343,8 @@ class Waits:
 
     def fire_if_due(self, run_id: str, name: str, instance: int | None = None) -> Wait:
         """Settle an open wait (the latest of its name, or ``instance``) whose time has
-        come: a timer ``fired``, an approval ``expired``. Returns the wait as it now is."""
+        come: a timer ``fired``, an approval or a signal ``expired``. Returns the wait as
+        it now is."""
         q = self.store.param
         now = self.clock()
 
@@ -355,7 +356,7 @@ class Waits:
                 f"UPDATE oo_waits SET status = CASE kind WHEN 'timer' THEN 'fired' "
                 f"ELSE 'expired' END, decided_at = {q}, decided_by = 'clock' "
                 f"WHERE run_id = {q} AND name = {q} AND instance = {q} AND status = 'open' "
-                f"AND kind <> 'signal' AND due_at IS NOT NULL AND due_at <= {q}",
+                f"AND due_at IS NOT NULL AND due_at <= {q}",
                 (now, run_id, name, row[14], now),
             )
             if cur.rowcount:
@@ -395,7 +396,8 @@ class Waits:
 
     def signal(self, run_id: str, name: str, payload: Any = None, *, actor: str = "") -> Wait:
         """Deliver a signal: to the open wait of its name (waking the run), or, when none
-        is open, keep it for the next wait of that name (one kept signal at a time).
+        is open (or it is past its expiry: it expires), keep it for the next wait of that
+        name (one kept signal at a time).
 
         Raises:
             RunNotFound: No such run.
@@ -424,6 +426,20 @@ class Waits:
             if row[2] != WaitKind.SIGNAL.value:
                 return "kind_mismatch", row
             if row[3] == WaitStatus.OPEN.value:
+                if row[4] is not None and float(row[4]) <= now:
+                    # Past its expiry (not yet settled by a worker): it expires, and the
+                    # signal is kept for the next wait of its name (an on_expire step
+                    # that waits again takes it), never lost and never taken late.
+                    cur.execute(
+                        f"UPDATE oo_waits SET status = 'expired', decided_by = 'clock', "
+                        f"decided_at = {q} WHERE run_id = {q} AND name = {q} "
+                        f"AND instance = {q} AND status = 'open'",
+                        (now, run_id, name, row[14]),
+                    )
+                    self._reseal(cur, run_id, name, int(row[14]))
+                    self._wake(cur, run_id, now)
+                    keep(cur, int(row[14]) + 1)
+                    return None
                 cur.execute(
                     f"UPDATE oo_waits SET status = 'delivered', payload = {q}, decided_by = {q}, "
                     f"decided_at = {q} WHERE run_id = {q} AND name = {q} AND instance = {q} "

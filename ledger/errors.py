@@ -243,7 +243,8 @@ class RunFenced(LedgerError):
 
     Attributes:
         run_id: The run.
-        reason: ``not_running``, ``moved``, ``lease`` or ``gone``.
+        reason: ``not_running``, ``moved``, ``lease``, ``gone`` or ``deadline`` (the
+            step's timeout or the run's deadline came).
         status: The run's status as the claim saw it (None when the run is gone).
     """
 

@@ -5,9 +5,11 @@ checkpoint the step was built on (sequence number and digest) and the worker tha
 the run's lease. Every transaction that hands out a claim — a new claim, a re-claim after
 an attempt proved not to have happened, a re-send inside a class-A dedup window — checks
 the fence in the same transaction, with one indexed read of the run row and its head:
-the run must still be ``running``, its head must still be exactly that checkpoint, and
-(when an owner is given) its lease must be that owner's. Otherwise the claim is refused
-with :class:`~ledger.errors.RunFenced` before anything is written or sent.
+the run must still be ``running``, its head must still be exactly that checkpoint,
+(when an owner is given) its lease must be that owner's, and (when the step has a time
+limit: its timeout, the run's deadline) that time must not have come. Otherwise the
+claim is refused with :class:`~ledger.errors.RunFenced` before anything is written or
+sent.
 
 So an operator's cancel takes effect before the step's next effect is claimed (the
 effect in progress finishes), an operator's edit or another worker's checkpoint stops a
@@ -24,7 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,12 +48,16 @@ class RunFence:
         head_digest: That checkpoint's digest (a racing writer's checkpoint at the same
             sequence number has another).
         owner: The worker holding the run's lease, or None not to check the lease.
+        deadline: When the step's time is up (UNIX seconds, on ``clock``), or None.
+        clock: The runtime's clock, which set ``deadline``.
     """
 
     run_id: str
     head_seq: int
     head_digest: bytes = field(repr=False)
     owner: str | None = None
+    deadline: float | None = None
+    clock: Callable[[], float] = field(default=time.time, repr=False, compare=False)
 
 
 _FENCE: contextvars.ContextVar[RunFence | None] = contextvars.ContextVar(
@@ -78,11 +85,14 @@ def check_fence(cur: Any, store: Store, fence: RunFence | None) -> None:
     run row's seal is checked too, so a status edited by SQL never lets a claim through).
 
     Raises:
-        RunFenced: The run is gone, not running, moved on, or leased to another worker.
+        RunFenced: The run is gone, not running, moved on, leased to another worker,
+            or the step's time is up.
         CorruptRecord: The run row fails its seal.
     """
     if fence is None:
         return
+    if fence.deadline is not None and fence.clock() >= fence.deadline:
+        raise RunFenced(fence.run_id, "deadline", None, "the step's time is up")
     found = store.run_head_in(cur, fence.run_id)
     if found is None:
         raise RunFenced(fence.run_id, "gone", None, "the run no longer exists")

@@ -19,8 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what editors and mypy see; at run time, __getattr__ below
     from .context import BranchContext, StepContext
-    from .errors import ApprovalMismatch, FlowNotRegistered, RunError, RunNotResumable
-    from .flow import End, Fail, Flow, Next, StepRetry, WaitFor
+    from .errors import (
+        ApprovalMismatch,
+        DeadlineExceeded,
+        FlowNotRegistered,
+        RunError,
+        RunNotResumable,
+        StepTimedOut,
+    )
+    from .flow import End, Fail, Flow, Next, StepRetry, StepTimeout, WaitFor
     from .operator import GcReport, Operator, RunView
     from .runtime import Runtime, default_owner
     from .worker import Worker, WorkerStats
@@ -28,6 +35,7 @@ if TYPE_CHECKING:  # what editors and mypy see; at run time, __getattr__ below
 __all__ = [
     "ApprovalMismatch",
     "BranchContext",
+    "DeadlineExceeded",
     "End",
     "Fail",
     "Flow",
@@ -41,6 +49,8 @@ __all__ = [
     "Runtime",
     "StepContext",
     "StepRetry",
+    "StepTimedOut",
+    "StepTimeout",
     "WaitFor",
     "Worker",
     "WorkerStats",
@@ -51,6 +61,7 @@ __all__ = [
 _WHERE = {
     "ApprovalMismatch": "errors",
     "BranchContext": "context",
+    "DeadlineExceeded": "errors",
     "End": "flow",
     "Fail": "flow",
     "Flow": "flow",
@@ -64,6 +75,8 @@ _WHERE = {
     "Runtime": "runtime",
     "StepContext": "context",
     "StepRetry": "flow",
+    "StepTimedOut": "errors",
+    "StepTimeout": "flow",
     "WaitFor": "flow",
     "Worker": "worker",
     "WorkerStats": "worker",

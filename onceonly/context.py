@@ -93,6 +93,10 @@ class StepContext(_Recording):
         state: The run's state channels; changes are kept when the step returns.
         handoff: The run's handoff note; assign a new one with :meth:`note`.
         ledger: The effects ledger (for guarded adapters).
+        deadline: When this attempt's time is up (UNIX seconds: the step's
+            ``timeout_s`` or the run's deadline, the sooner), None without a limit. Give
+            the clients the step calls timeouts within it: an effect claimed after it
+            is refused, and a step still running then is dropped.
     """
 
     def __init__(
@@ -107,8 +111,10 @@ class StepContext(_Recording):
         waits: Mapping[str, Mapping[str, Any]],
         started_by: str | None,
         clock: Callable[[], float] = time.time,
+        deadline: float | None = None,
     ) -> None:
         self.store = store
+        self.deadline = deadline
         self.ledger = ledger
         self.flow = flow
         self._pos = position
@@ -174,10 +180,25 @@ class StepContext(_Recording):
             on_expire=on_expire,
         )
 
-    def wait_for_signal(self, name: str, *, then: str) -> WaitFor:
+    def wait_for_signal(
+        self,
+        name: str,
+        *,
+        then: str,
+        expires_in: float | None = None,
+        on_expire: str | None = None,
+    ) -> WaitFor:
         """Suspend until the signal ``name`` is delivered (or continue at once if it was);
-        read its payload in ``then`` with :meth:`signal`."""
-        return WaitFor(name, "signal", then)
+        read its payload in ``then`` with :meth:`signal`.
+
+        Args:
+            expires_in: Seconds to wait at most (None: for ever). A signal that comes
+                after is kept for the next wait of its name.
+            on_expire: The step after expiry (default: the run fails). It can remind
+                and wait again under the same name, escalate, or give up.
+        """
+        due = None if expires_in is None else self._clock() + expires_in
+        return WaitFor(name, "signal", then, due_at=due, on_expire=on_expire)
 
     def sleep(self, name: str, seconds: float, *, then: str) -> WaitFor:
         """Suspend for ``seconds`` (a timer named ``name``), holding no process."""
@@ -194,6 +215,13 @@ class StepContext(_Recording):
         if got is None or got.get("kind") != "signal":
             raise ConfigurationError(f"run {self.run_id!r} has not received signal {name!r}")
         return got.get("payload")
+
+    def wait_outcome(self, name: str) -> str | None:
+        """How the run's last wait named ``name`` settled (``approved``, ``rejected``,
+        ``expired``, ``delivered``, ``fired``), None if none has: an ``on_expire`` or
+        ``on_reject`` step tells why it runs."""
+        got = self._waits.get(name)
+        return None if got is None else str(got.get("status"))
 
     def approved(self, name: str, subject: Any = None) -> Mapping[str, Any]:
         """The approval ``name`` (who, when); with ``subject``, also check that it is

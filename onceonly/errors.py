@@ -6,7 +6,9 @@ They extend the tree rooted in :class:`checkpoint.errors.OnceOnlyError`::
     ├── RunError                    a run cannot go on as asked
     │   ├── ApprovalMismatch        the step acts on something other than what was approved
     │   ├── RunNotResumable         the run is completed, failed or cancelled
-    │   └── FlowNotRegistered       no flow of the run's name is registered here
+    │   ├── FlowNotRegistered       no flow of the run's name is registered here
+    │   ├── StepTimedOut            a step attempt ran past its timeout_s
+    │   └── DeadlineExceeded        the run ran past its deadline
     └── StepDiverged (adapters)     a resumed step asked for other effects than recorded
         └── BranchesDiverged        a resumed ``ctx.parallel`` call asked for other branches
 """
@@ -21,10 +23,12 @@ from onceonly.checkpoint import OnceOnlyError
 __all__ = [
     "ApprovalMismatch",
     "BranchesDiverged",
+    "DeadlineExceeded",
     "FlowNotRegistered",
     "ForkDiverged",
     "RunError",
     "RunNotResumable",
+    "StepTimedOut",
 ]
 
 
@@ -83,6 +87,36 @@ class FlowNotRegistered(RunError):
             f"run {run_id!r} belongs to flow {flow!r}, which is not registered with this "
             f"runtime or worker (pass it with --flows module:attribute)",
         )
+
+
+class StepTimedOut(RunError):
+    """A step attempt was still running when its ``timeout_s`` ran out: it claimed no
+    effect after that, and what it returned is dropped (the effects it made stay
+    recorded, and replay if the step runs again).
+
+    Attributes:
+        step: The step.
+        timeout_s: Its time limit.
+    """
+
+    def __init__(self, run_id: str, step: str, timeout_s: float) -> None:
+        self.step = step
+        self.timeout_s = timeout_s
+        super().__init__(
+            run_id, f"run {run_id!r}: step {step!r} ran past its timeout of {timeout_s:g} s"
+        )
+
+
+class DeadlineExceeded(RunError):
+    """The run was still going (running or waiting) when its deadline passed.
+
+    Attributes:
+        deadline: When it passed (UNIX seconds).
+    """
+
+    def __init__(self, run_id: str, deadline: float) -> None:
+        self.deadline = deadline
+        super().__init__(run_id, f"run {run_id!r} passed its deadline ({deadline:.3f})")
 
 
 class BranchesDiverged(StepDiverged):

@@ -21,7 +21,17 @@ from onceonly.checkpoint import ConfigurationError, StateMigrations
 if TYPE_CHECKING:
     from .context import StepContext
 
-__all__ = ["End", "Fail", "Flow", "Next", "Step", "StepRetry", "Transition", "WaitFor"]
+__all__ = [
+    "End",
+    "Fail",
+    "Flow",
+    "Next",
+    "Step",
+    "StepRetry",
+    "StepTimeout",
+    "Transition",
+    "WaitFor",
+]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 
@@ -60,7 +70,7 @@ class WaitFor:
         requested_by: Approvals: who asks (may not approve it).
         allow_self: Approvals: the requester may approve.
         on_reject: Approvals: the step after a rejection (None: the run fails).
-        on_expire: Approvals: the step after expiry (None: the run fails).
+        on_expire: Approvals and signals: the step after expiry (None: the run fails).
     """
 
     name: str
@@ -131,6 +141,29 @@ class StepRetry:
         return isinstance(exc, self.on)
 
 
+@dataclass(frozen=True)
+class StepTimeout:
+    """A step's time limit (``@flow.step(timeout_s=..., on_timeout=...)``).
+
+    Attributes:
+        seconds: How long one attempt may take.
+        then: The step after the last attempt timed out (None: the run fails).
+    """
+
+    seconds: float
+    then: str | None = None
+
+
+def _check_seconds(what: str, value: float | None) -> None:
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value > 0
+        or value == float("inf")
+    ):
+        raise ConfigurationError(f"{what} is a positive number of seconds, not {value!r}")
+
+
 Transition = Next | End | Fail | WaitFor
 Step = Callable[["StepContext"], Transition]
 
@@ -144,6 +177,10 @@ class Flow:
         state_version: The state-schema version of the state this code writes.
         migrations: Upgrades of older state, run on resume.
         tenant: Tenant of the runs' effect keys.
+        deadline_s: How long a run of this flow may take, from its start (None: no
+            limit; ``Runtime.start(deadline_s=...)`` sets it per run).
+        on_deadline: The step a run goes to when its deadline passes (None: the run
+            fails with ``DeadlineExceeded``).
 
     Example::
 
@@ -163,9 +200,12 @@ class Flow:
         state_version: int = 1,
         migrations: StateMigrations | None = None,
         tenant: str = "",
+        deadline_s: float | None = None,
+        on_deadline: str | None = None,
     ) -> None:
         if not _NAME.match(name):
             raise ConfigurationError(f"flow name {name!r}: use 1-100 of A-Z a-z 0-9 _ . -")
+        _check_seconds("deadline_s", deadline_s)
         self.name = name
         self.version = version
         self.state_version = migrations.current if migrations is not None else state_version
@@ -173,6 +213,9 @@ class Flow:
         self.tenant = tenant
         self.steps: dict[str, Step] = {}
         self.retries: dict[str, StepRetry] = {}
+        self.timeouts: dict[str, StepTimeout] = {}
+        self.deadline_s = deadline_s
+        self.on_deadline = on_deadline
         self.start: str | None = None
 
     @overload
@@ -187,6 +230,8 @@ class Flow:
         name: str | None = None,
         start: bool = False,
         retry: StepRetry | None = None,
+        timeout_s: float | None = None,
+        on_timeout: str | None = None,
     ) -> Callable[[Step], Step]: ...
 
     def step(
@@ -197,11 +242,20 @@ class Flow:
         name: str | None = None,
         start: bool = False,
         retry: StepRetry | None = None,
+        timeout_s: float | None = None,
+        on_timeout: str | None = None,
     ) -> Step | Callable[[Step], Step]:
         """Register a step (decorator). The first registered step starts unless another
-        says ``start=True``; ``retry``: how an error the step raises is retried."""
+        says ``start=True``; ``retry``: how an error the step raises is retried;
+        ``timeout_s``: how long one attempt of the step may take (an attempt still
+        running then claims no further effect and its result is dropped; it counts as a
+        failed attempt for ``retry``, and after the last one the run goes to
+        ``on_timeout``, or fails with ``StepTimedOut``)."""
         if retry is not None and not isinstance(retry, StepRetry):
             raise ConfigurationError(f"retry= takes a StepRetry, not {type(retry).__name__}")
+        _check_seconds("timeout_s", timeout_s)
+        if on_timeout is not None and timeout_s is None:
+            raise ConfigurationError("on_timeout= needs timeout_s=")
 
         def register(f: Step) -> Step:
             step_name = name or f.__name__
@@ -212,6 +266,8 @@ class Flow:
             self.steps[step_name] = f
             if retry is not None:
                 self.retries[step_name] = retry
+            if timeout_s is not None:
+                self.timeouts[step_name] = StepTimeout(float(timeout_s), on_timeout)
             if start or self.start is None:
                 self.start = step_name
             return f
@@ -242,5 +298,12 @@ def flow_map(flows: Iterable[Flow]) -> dict[str, Flow]:
             raise ConfigurationError(f"flow {f.name!r} given twice")
         if f.start is None:
             raise ConfigurationError(f"flow {f.name!r} has no steps")
+        # the paths a deadline or a timeout takes exist: found at start, not on expiry
+        paths = [("on_deadline", f.on_deadline)] + [
+            (f"on_timeout of {s!r}", t.then) for s, t in f.timeouts.items()
+        ]
+        for what, target in paths:
+            if target is not None and target not in f.steps:
+                raise ConfigurationError(f"flow {f.name!r}: {what} names no step ({target!r})")
         out[f.name] = f
     return out

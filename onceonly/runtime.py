@@ -17,6 +17,7 @@ the ledger holds), who started the run, and the next step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -44,6 +45,7 @@ from onceonly.checkpoint import (
     StoreError,
     Wait,
     WaitKind,
+    WaitNotFound,
     WaitRefused,
     Waits,
     WaitStatus,
@@ -65,13 +67,21 @@ from onceonly.ledger import (
 )
 
 from .context import StepContext, _Position, _recorded_keys
-from .errors import ApprovalMismatch, FlowNotRegistered, ForkDiverged
-from .flow import End, Fail, Flow, Next, StepRetry, Transition, WaitFor, flow_map
+from .errors import (
+    ApprovalMismatch,
+    DeadlineExceeded,
+    FlowNotRegistered,
+    ForkDiverged,
+    StepTimedOut,
+)
+from .flow import End, Fail, Flow, Next, StepRetry, Transition, WaitFor, _check_seconds, flow_map
 
-__all__ = ["META", "Runtime", "default_owner"]
+__all__ = ["DEADLINE_WAIT", "META", "Runtime", "default_owner"]
 
 META = "_onceonly"
 """The reserved state channel holding the runtime's bookkeeping."""
+DEADLINE_WAIT = "deadline.run"
+"""The timer that wakes a waiting run at its deadline (opened with the run)."""
 
 _VISIT = re.compile(r"\d+")
 log = logging.getLogger("onceonly.runtime")
@@ -161,9 +171,15 @@ class Runtime:
         run_id: str | None = None,
         started_by: str | None = None,
         handoff: Handoff | None = None,
+        deadline_s: float | None = None,
     ) -> str:
         """Start a run of ``flow`` with its initial ``state``; a worker (or :meth:`drive`)
         runs it. Idempotent by ``run_id``: starting an existing run returns it unchanged.
+
+        ``deadline_s`` (default: the flow's): how long the run may take. When it passes,
+        running or waiting, the run leaves what it was doing (an open approval or
+        signal is cancelled, a step still running claims nothing more and is dropped)
+        and goes to the flow's ``on_deadline`` step, or fails with ``DeadlineExceeded``.
 
         Returns:
             The run id.
@@ -181,6 +197,17 @@ class Runtime:
             "started_by": started_by,
             "next": f.start,
         }
+        _check_seconds("deadline_s", deadline_s)
+        limit = deadline_s if deadline_s is not None else f.deadline_s
+        also = None
+        if limit is not None:
+            at = self.clock() + float(limit)
+            initial[META]["deadline"] = {"at": at, "s": float(limit), "then": f.on_deadline}
+            # the timer that wakes the run at its deadline if it is waiting then, written
+            # with the run (a run never exists without it)
+            also = self.waits.opening(
+                rid, DEADLINE_WAIT, WaitKind.TIMER, due_at=at, opened_by=DEADLINE_WAIT
+            )
         try:
             # The run and its first checkpoint in one transaction: a state the codec
             # cannot encode fails here with nothing written, and no worker ever sees a
@@ -194,6 +221,7 @@ class Runtime:
                 next_step=f.start,
                 handoff=handoff,
                 status=RunStatus.RUNNING,
+                also=also,
             )
         except RunExists:
             if self.store.get_run(rid).head_seq is None:
@@ -287,6 +315,9 @@ class Runtime:
         state = snap.state
         meta = dict(state.pop(META, None) or {})
         parent = snap.info.seq
+        deadline = self._deadline(meta)
+        if deadline is not None and self.clock() >= deadline:
+            return self._deadline_passed(run, meta, parent)
         if meta.get("waiting"):
             return self._settle_wait(run, state, meta, parent)
         if run.status is not RunStatus.RUNNING:
@@ -331,6 +362,15 @@ class Runtime:
         key_run = str(meta.get("key_run") or run.run_id)
         step_id = f"{name}#{visit}"
         pos = _Position(run.run_id, key_run, name, visit, flow.tenant)
+        limit = flow.timeouts.get(name)
+        ends = [self.clock() + limit.seconds] if limit is not None else []
+        run_deadline = self._deadline(meta)
+        if run_deadline is not None:
+            ends.append(run_deadline)
+        time_up = min(ends) if ends else None
+        if time_up is not None:
+            # no effect is claimed for this attempt once its time is up
+            fence = dataclasses.replace(fence, deadline=time_up, clock=self.clock)
         ctx = StepContext(
             store=self.store,
             ledger=self.ledger,
@@ -341,6 +381,7 @@ class Runtime:
             waits=meta.get("waits") or {},
             started_by=meta.get("started_by"),
             clock=self.clock,
+            deadline=time_up,
         )
         with _tracer.start_as_current_span(f"step {flow.name}.{name}") as span:
             span.set_attribute("onceonly.run_id", run.run_id)
@@ -361,6 +402,8 @@ class Runtime:
                 # The run moved on under the step (cancelled, edited, taken by another
                 # worker): nothing of the step is kept; a moved run is looked at again.
                 span.set_attribute("onceonly.step.fenced", fenced.reason)
+                if fenced.reason == "deadline":
+                    return self._time_up(run, flow, meta, name, visit, parent)
                 return fenced.reason == "moved"
             except EffectInDoubt as doubt:
                 return self._park_in_doubt(run, meta, doubt, parent)
@@ -374,10 +417,17 @@ class Runtime:
             except (StepDiverged, KeyReuseError, ApprovalMismatch, LedgerError) as exc:
                 return self._fail(run, meta, name, exc, parent)
             except Exception as exc:  # noqa: BLE001  (a step's own error fails the run)
+                if time_up is not None and self.clock() >= time_up:
+                    # out of time (a refused claim the step's code caught and turned
+                    # into another error, or an error after the time was up)
+                    return self._time_up(run, flow, meta, name, visit, parent)
                 policy = flow.retries.get(name)
                 if policy is not None and policy.retries(exc):
                     return self._retry_later(run, meta, name, visit, exc, parent, policy)
                 return self._fail(run, meta, name, exc, parent)
+        if time_up is not None and self.clock() >= time_up:
+            # returned late: what it returned is dropped (its effects stay recorded)
+            return self._time_up(run, flow, meta, name, visit, parent)
         if isinstance(transition, Fail):
             # Like an error: the step's changes are dropped and the visit is not counted,
             # so a retry runs the same visit again and its effects replay.
@@ -620,6 +670,125 @@ class Runtime:
             origin = str((meta.get("forked_from") or {}).get("run") or key_run)
             raise ForkDiverged(run_id, step_id, origin, sorted(lost))
 
+    @staticmethod
+    def _deadline(meta: Mapping[str, Any]) -> float | None:
+        """The run's deadline while it has not passed (UNIX seconds), else None."""
+        d = meta.get("deadline")
+        if not d or d.get("passed"):
+            return None
+        return float(d["at"])
+
+    def _deadline_passed(self, run: Run, meta: dict[str, Any], parent: int) -> bool:
+        """The run's deadline came: leave what it waits for (its open waits are
+        cancelled, so nobody decides a request the run no longer waits for) and go to
+        the flow's ``on_deadline`` step, or fail. Idempotent: a crash before the
+        checkpoint does it again."""
+        d = dict(meta["deadline"])
+        with contextlib.suppress(WaitNotFound):  # a fork or restart carries no timer
+            self.waits.fire_if_due(run.run_id, DEADLINE_WAIT)
+        self.waits.cancel_open(run.run_id, actor="deadline", reason="the run's deadline passed")
+        meta["deadline"] = {**d, "passed": True}
+        meta["waiting"] = None
+        meta.pop("retry", None)
+        then = d.get("then")
+        exc = DeadlineExceeded(run.run_id, float(d["at"]))
+        if then:
+            meta["next"] = then
+            meta["last_error"] = _error_record(str(run.next_step), exc)
+            log.warning(
+                "run %s passed its deadline; going on at step %s",
+                run.run_id,
+                then,
+                extra={"event": "run_deadline", "run_id": run.run_id, "step": then},
+            )
+            return self._save(
+                run,
+                "deadline",
+                {},
+                meta,
+                str(then),
+                RunStatus.RUNNING,
+                run.handoff,
+                parent=parent,
+                only_meta=True,
+            )
+        meta["error"] = _error_record(str(run.next_step), exc)
+        log.error(
+            "run %s failed: it passed its deadline",
+            run.run_id,
+            extra={"event": "run_failed", "run_id": run.run_id, "step": run.next_step},
+        )
+        self._save(
+            run,
+            "deadline",
+            {},
+            meta,
+            run.next_step,
+            RunStatus.FAILED,
+            run.handoff,
+            parent=parent,
+            only_meta=True,
+        )
+        return False
+
+    def _time_up(
+        self,
+        run: Run,
+        flow: Flow,
+        meta: dict[str, Any],
+        name: str,
+        visit: int,
+        parent: int,
+    ) -> bool:
+        """A step attempt ran out of time: the run's deadline (its path), or the step's
+        timeout (a failed attempt: retried by the step's policy while attempts remain,
+        then the step's ``on_timeout`` path, or the run fails). Nothing the attempt did
+        to the state is kept; its effects stay recorded and replay if the step runs
+        again."""
+        run_deadline = self._deadline(meta)
+        if run_deadline is not None and self.clock() >= run_deadline:
+            return self._deadline_passed(run, meta, parent)
+        limit = flow.timeouts[name]
+        exc = StepTimedOut(run.run_id, name, limit.seconds)
+        step_id = f"{name}#{visit}"
+        policy = flow.retries.get(name)
+        failed = int(dict(meta.get("attempts") or {}).get(step_id, 0)) + 1
+        if policy is not None and policy.retries(exc) and failed < policy.attempts:
+            return self._retry_later(run, meta, name, visit, exc, parent, policy)
+        if limit.then is None:
+            if policy is not None:
+                meta["attempts"] = {**dict(meta.get("attempts") or {}), step_id: failed}
+                meta.pop("retry", None)
+                meta.pop("last_error", None)
+            return self._fail(
+                run, meta, name, exc, parent, attempt=failed if policy is not None else None
+            )
+        attempts = dict(meta.get("attempts") or {})
+        attempts.pop(step_id, None)
+        meta["attempts"] = attempts
+        meta.pop("retry", None)
+        meta["last_error"] = _error_record(name, exc, attempt=failed)
+        meta["next"] = limit.then
+        log.warning(
+            "run %s: step %s timed out after %g s; going on at step %s",
+            run.run_id,
+            name,
+            limit.seconds,
+            limit.then,
+            extra={"event": "step_timeout", "run_id": run.run_id, "step": name},
+        )
+        return self._save(
+            run,
+            f"{name}:timeout",
+            {},
+            meta,
+            limit.then,
+            RunStatus.RUNNING,
+            run.handoff,
+            parent=parent,
+            only_meta=True,
+        )
+
     def _retry_later(
         self,
         run: Run,
@@ -782,6 +951,10 @@ class Runtime:
             # ledger and replay if the step runs again).
             return False
         failpoint("runtime.step.after")
+        if status in ENDED and self._deadline(meta) is not None:
+            # the deadline timer of a run that ended before it: closed, not left open
+            with contextlib.suppress(StoreError):
+                self.waits.cancel_open(run.run_id, actor=self.owner, reason="the run ended")
         return True
 
     def _flow(self, run_id: str, name: str) -> Flow:

@@ -115,4 +115,18 @@ def _times_out(ctx: StepContext) -> Transition:
 PATIENT.step(name="quote", retry=StepRetry(attempts=3, backoff_s=3600))(_times_out)
 IMPATIENT.step(name="quote", retry=StepRetry(attempts=2, backoff_s=0))(_times_out)
 
-FLOWS = [PUBLISH, REPAIR, LEASE, PATIENT, IMPATIENT]
+# A run with two hours to get its documents, which goes to ``give_up`` when they pass.
+DEADLINED = Flow("deadlined", deadline_s=7200, on_deadline="give_up")
+
+
+@DEADLINED.step(start=True)
+def ask_for_docs(ctx: StepContext) -> Transition:
+    return ctx.wait_for_signal("docs", then="give_up")
+
+
+@DEADLINED.step
+def give_up(ctx: StepContext) -> Transition:
+    return ctx.end("gave up")
+
+
+FLOWS = [PUBLISH, REPAIR, LEASE, PATIENT, IMPATIENT, DEADLINED]

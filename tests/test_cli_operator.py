@@ -147,6 +147,22 @@ def test_runs_show_tells_a_step_being_retried_and_the_error_that_failed_a_run(en
     assert "Traceback (most recent call last)" in text
 
 
+def test_runs_show_tells_a_runs_deadline_and_its_path(env: Env) -> None:
+    rid = env.runtime.start("deadlined", {}, run_id="r-deadlined")
+    assert env.drive(rid) is RunStatus.WAITING
+    shown = env.json("runs", "show", rid)
+    assert shown["deadline"]["then"] == "give_up"
+    assert shown["deadline"]["s"] == 7200
+    assert shown["deadline"].get("passed") is None
+    assert {w["name"]: w["kind"] for w in shown["waits"]} == {
+        "deadline.run": "timer",
+        "docs": "signal",
+    }
+    text = env.cli("runs", "show", rid, "--tables").output
+    assert "deadline" in text
+    assert "then give_up" in text
+
+
 # -- approvals ------------------------------------------------------------------------------
 
 

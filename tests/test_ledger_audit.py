@@ -654,9 +654,7 @@ def test_a_claim_judges_a_chain_from_the_point_it_counted_it_from(
     assert ledger.verify().ok
 
 
-def test_a_slow_recount_is_made_less_often(
-    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_slow_recount_is_made_less_often(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
     """A recount of a chain costs in proportion to its length; the next one waits at
     least fifty times as long as the last took, so that recounting a long run's chain
     takes a bounded share of the process's time however long the run grows."""

@@ -445,6 +445,46 @@ def test_a_flaky_step_is_retried_on_timers_across_a_killed_worker(
     assert "Traceback (most recent call last)" in logs
 
 
+def test_a_waiting_run_takes_its_deadline_path_across_a_killed_worker(
+    any_url: str, provider: CountingProvider, fleet_on: Callable[[str], Fleet]
+) -> None:
+    """A run waits for an approval nobody gives; the worker that parked it is killed
+    and another is started. At the run's deadline that worker wakes it (the deadline's
+    timer, written with the run), the approval is cancelled and the deadline's path
+    runs: every effect delivered once."""
+    fleet = fleet_on(any_url)
+    fleet.spawn("w1", lease_s=10, poll_s=0.2)
+    with runtime_on(any_url) as rt:
+        rid = rt.start("deadlined", {"url": provider.url}, deadline_s=2.0)
+        wait_until(lambda: rt.store.get_run(rid).status is RunStatus.WAITING, 20, "waiting")
+        fleet.kill("w1")
+        fleet.spawn("w2", lease_s=10, poll_s=0.2)
+        wait_until(lambda: rt.store.get_run(rid).status is RunStatus.COMPLETED, 30, "completed")
+        meta = rt.store.load(rid).state[META]
+        assert meta["deadline"]["passed"] is True
+        waits = {w.name: w.status.value for w in rt.waits.find(run_id=rid)}
+        assert waits == {"deadline.run": "fired", "go": "cancelled"}
+    assert fleet.stop("w2") == 0
+    assert_once(provider.log, {rid: {"asked", "chased"}})
+
+
+def test_a_step_past_its_timeout_in_a_worker_sends_nothing_more(
+    any_url: str, provider: CountingProvider, fleet_on: Callable[[str], Fleet]
+) -> None:
+    """A step that takes twice its ``timeout_s`` in a worker process: its effect after
+    the time is up is refused before it is sent, and the run takes ``on_timeout``."""
+    fleet = fleet_on(any_url)
+    with runtime_on(any_url) as rt:
+        rid = rt.start("dawdler", {"url": provider.url})
+        fleet.spawn("w1", lease_s=10, poll_s=0.2)
+        wait_until(lambda: rt.store.get_run(rid).status is RunStatus.COMPLETED, 30, "completed")
+        meta = rt.store.load(rid).state[META]
+        assert meta["last_error"]["type"] == "StepTimedOut"
+    assert fleet.stop("w1") == 0
+    assert_once(provider.log, {rid: {"started", "recovered"}})
+    assert "step dawdle timed out after 0.5 s" in fleet.log("w1")
+
+
 # -- one worker in this process (both backends) ---------------------------------------
 def test_until_idle_drives_every_ready_run_and_returns(
     any_url: str, provider: CountingProvider

@@ -164,7 +164,45 @@ def confirm(ctx: StepContext) -> Transition:
     return ctx.end("confirmed")
 
 
-FLOWS = [batch, pause, approval, timer, flaky]
+# -- deadlined: a run that asks, then gives up on its deadline; a step with a timeout ----
+deadlined = Flow("deadlined", version="1", on_deadline="chase")
+
+
+@deadlined.step(start=True)
+def request(ctx: StepContext) -> Transition:
+    """Deliver ``asked``, then wait for an approval nobody gives."""
+    _send(ctx, "asked")
+    return ctx.wait_for_approval("go", {"run": ctx.run_id}, then="chase", requested_by="alice")
+
+
+@deadlined.step
+def chase(ctx: StepContext) -> Transition:
+    """The deadline's path: deliver ``chased`` and end."""
+    _send(ctx, "chased")
+    return ctx.end("chased")
+
+
+dawdler = Flow("dawdler", version="1")
+
+
+@dawdler.step(start=True, timeout_s=0.5, on_timeout="recover")
+def dawdle(ctx: StepContext) -> Transition:
+    """Deliver ``started``, take twice the step's time, then try ``finished`` (refused:
+    the time is up)."""
+    _send(ctx, "started")
+    time.sleep(1.0)
+    _send(ctx, "finished")
+    return ctx.end("finished")
+
+
+@dawdler.step
+def recover(ctx: StepContext) -> Transition:
+    """The timeout's path: deliver ``recovered`` and end."""
+    _send(ctx, "recovered")
+    return ctx.end("recovered")
+
+
+FLOWS = [batch, pause, approval, timer, flaky, deadlined, dawdler]
 
 
 # -- the oracle ---------------------------------------------------------------------------

@@ -215,6 +215,7 @@ def _show_doc(store: Store, v: RunView) -> dict[str, Any]:
         "error": plain(codec, v.meta.get("error")),
         "retry": plain(codec, v.meta.get("retry")),
         "last_error": plain(codec, v.meta.get("last_error")),
+        "deadline": plain(codec, v.meta.get("deadline")),
         "forked_from": plain(codec, v.meta.get("forked_from")),
         "restarted_from": plain(codec, v.meta.get("restarted_from")),
         "restarted_as": plain(codec, v.meta.get("restarted_as") or []),
@@ -254,6 +255,13 @@ def _print_view(doc: dict[str, Any]) -> None:
         head.add_row("restarted from", f"{f['run']} by {f['by']}: {f['reason']}")
     if doc["restarted_as"]:
         head.add_row("restarted as", ", ".join(doc["restarted_as"]))
+    if doc["deadline"]:
+        d = doc["deadline"]
+        then = f"then {d['then']}" if d.get("then") else "then the run fails"
+        if d.get("passed"):
+            head.add_row("deadline", Text(f"passed {ago(d['at'], now)}", "yellow"))
+        else:
+            head.add_row("deadline", f"{ago(d['at'], now)}, {then}")
     if doc["error"]:
         e = doc["error"]
         after = f" (attempt {e['attempt']})" if e.get("attempt") else ""
