@@ -35,7 +35,7 @@ from onceonly.ledger import UNKNOWN_RESULT, EffectRecord, Ledger
 from onceonly.ledger import RetentionPolicy as EffectRetention
 
 from .errors import RunNotResumable
-from .runtime import META
+from .runtime import DEADLINE_WAIT, META
 
 __all__ = ["GcReport", "Operator", "RunView"]
 
@@ -326,6 +326,16 @@ class Operator:
                 opened_by=old.opened_by,
             )
             meta["waiting"] = {**waiting, "instance": 0}  # the new run's first of the name
+        limit = meta.get("deadline")
+        if limit and not limit.get("passed"):
+            # the time the run had left at that checkpoint, from now (as an approval's),
+            # with a timer of its own that wakes the fork if it waits then
+            due = self.clock() + max(0.0, float(limit["at"]) - snap.info.created_at)
+            meta["deadline"] = {**limit, "at": due}
+            timer = self.waits.opening(
+                new, DEADLINE_WAIT, WaitKind.TIMER, due_at=due, opened_by=DEADLINE_WAIT
+            )
+            also = timer if also is None else _both(also, timer)
         state[META] = meta
         # The run, its first checkpoint, its wait and its link to the key run, in one
         # transaction that also checks the key run still exists (retention keeps it, and
@@ -399,6 +409,15 @@ class Operator:
                 {"at": at, "by": actor, "action": "operator:restart", "reason": reason}
             ],
         }
+        also = None
+        limit = began.get("deadline")
+        if limit:
+            # a fresh attempt gets the whole time again, and the timer that enforces it
+            due = at + float(limit["s"])
+            state[META]["deadline"] = {"at": due, "s": float(limit["s"]), "then": limit["then"]}
+            also = self.waits.opening(
+                new, DEADLINE_WAIT, WaitKind.TIMER, due_at=due, opened_by=DEADLINE_WAIT
+            )
         try:
             self.store.start_run(
                 origin.flow,
@@ -411,6 +430,7 @@ class Operator:
                 handoff=origin.handoff,
                 status=RunStatus.RUNNING,
                 source=Source.OPERATOR,
+                also=also,
             )
         except RunExists:
             # An earlier restart of this run that did not finish: finish it.
@@ -575,3 +595,13 @@ class Operator:
                 if attempt == attempts:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _both(first: Callable[[Any], Any], second: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Two pieces of work for one transaction, in order."""
+
+    def run(cur: Any) -> Any:
+        first(cur)
+        return second(cur)
+
+    return run

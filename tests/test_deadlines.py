@@ -432,3 +432,25 @@ def test_a_path_that_names_no_step_is_refused_before_any_run(env: Env) -> None:
 
     with pytest.raises(ConfigurationError, match="on_timeout"):
         Runtime(env.store, env.ledger, [timed])
+
+
+# -- operator actions keep the time a run has -------------------------------------------
+
+
+def test_a_restart_gets_the_whole_time_again_and_a_fork_the_time_left(env: Env) -> None:
+    rt = env.runtime(_waits_for_approval(env, deadline_s=3600, on_deadline="too_late"))
+    rid = rt.start("review", started_by="alice")
+    rt.drive(rid)  # waiting for "ok"; checkpoint 1 was written at t0
+    env.clock.advance(3000)  # 600 s left
+    fork = env.operator.fork(rid, 1, actor="ops", reason="ask again", new_run_id="f1")
+    restart = env.operator.restart(rid, actor="ops", reason="wrong plan", new_run_id="r1")
+    # checkpoint 1 was written with the whole hour left; the restart starts the hour again
+    assert env.meta(fork)["deadline"]["at"] == pytest.approx(env.clock.now + 3600, abs=5)
+    assert env.meta(restart)["deadline"]["at"] == pytest.approx(env.clock.now + 3600, abs=5)
+    rt.drive(restart)
+    ready = Waits(env.store, clock=env.clock)
+    env.clock.advance(3600)
+    assert set(ready.claim_ready("rt", 30, limit=5)) == {fork, restart}  # their own timers
+    for new in (fork, restart):
+        assert rt.drive(new).status is RunStatus.COMPLETED
+        assert env.state(new)["result"] == "too late"
