@@ -746,9 +746,9 @@ class Runtime:
         to the state is kept; its effects stay recorded and replay if the step runs
         again."""
         run_deadline = self._deadline(meta)
-        if run_deadline is not None and self.clock() >= run_deadline:
+        limit = flow.timeouts.get(name)
+        if limit is None or (run_deadline is not None and self.clock() >= run_deadline):
             return self._deadline_passed(run, meta, parent)
-        limit = flow.timeouts[name]
         exc = StepTimedOut(run.run_id, name, limit.seconds)
         step_id = f"{name}#{visit}"
         policy = flow.retries.get(name)
@@ -951,8 +951,9 @@ class Runtime:
             # ledger and replay if the step runs again).
             return False
         failpoint("runtime.step.after")
-        if status in ENDED and self._deadline(meta) is not None:
-            # the deadline timer of a run that ended before it: closed, not left open
+        if status is RunStatus.COMPLETED and self._deadline(meta) is not None:
+            # the deadline timer of a run that completed before it: closed, not left open
+            # (a failed run keeps it: an operator's retry goes on under the same deadline)
             with contextlib.suppress(StoreError):
                 self.waits.cancel_open(run.run_id, actor=self.owner, reason="the run ended")
         return True

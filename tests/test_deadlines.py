@@ -454,3 +454,30 @@ def test_a_restart_gets_the_whole_time_again_and_a_fork_the_time_left(env: Env) 
     for new in (fork, restart):
         assert rt.drive(new).status is RunStatus.COMPLETED
         assert env.state(new)["result"] == "too late"
+
+
+def test_a_failed_run_retried_by_an_operator_keeps_its_deadline(env: Env) -> None:
+    broken = [True]
+    flow = Flow("fragile", deadline_s=3600, on_deadline="too_late")
+
+    @flow.step(start=True)
+    def ask(ctx: StepContext) -> Transition:
+        if broken:
+            raise RuntimeError("a bug, fixed by the next deploy")
+        return ctx.wait_for_approval("ok", {"doc": 1}, then="too_late")
+
+    @flow.step
+    def too_late(ctx: StepContext) -> Transition:
+        env.send(ctx, "apologise@1", "doc")
+        return ctx.end("too late")
+
+    rt = env.runtime(flow)
+    rid = rt.start("fragile", started_by="alice")
+    assert rt.drive(rid).status is RunStatus.FAILED
+    broken.clear()
+    env.operator.retry(rid, actor="ops", reason="fixed")
+    assert rt.drive(rid).status is RunStatus.WAITING
+    env.clock.advance(3600)
+    assert Waits(env.store, clock=env.clock).claim_ready("rt", 30) == [rid]  # its timer
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert env.provider.sent() == ["doc"]
