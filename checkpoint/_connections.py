@@ -52,6 +52,7 @@ class _Connections:
     _heads_stale: bool
     _stale_runs: set[str]
     _unwritten: dict[str, int]
+    _queued_mode: dict[str, Durability]
     _lost: dict[str, int]
     _reported: dict[str, int]
     _count_lock: threading.Lock

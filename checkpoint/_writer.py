@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -36,12 +37,11 @@ class _Writer(_Blobs):
             AsyncWriteError: A background write failed.
             StoreError: Writing the pending checkpoints failed (``exit`` mode).
         """
-        if self.durability is Durability.ASYNC and self._writer is not None:
-            if self._writer.is_alive():
-                barrier = _Barrier()
-                self._queue.put(barrier)
-                barrier.done.wait()
-        elif self.durability is Durability.EXIT:
+        if self._writer is not None and self._writer.is_alive():
+            barrier = _Barrier()
+            self._queue.put(barrier)
+            barrier.done.wait()
+        if self._pending:
             with self._lock:
                 self._flush_locked_pending()
         self._check_open()
@@ -78,16 +78,21 @@ class _Writer(_Blobs):
 
     def _transact(self, fn: Callable[[Any], T]) -> T:
         self._check_open()
-        is_async = self.durability is Durability.ASYNC and self._writer is not None
+        is_async = self._writer is not None
         barrier = _Barrier(fn, waits=is_async)
         if is_async:
+            if self._pending:
+                # exit-mode runs' checkpoints (runs of several modes share this store):
+                # durable before ``fn``, in a commit of their own
+                with self._lock:
+                    self._flush_locked_pending()
             self._queue.put(barrier)
             barrier.done.wait()
             # Our work committed (or failed on its own): an unrelated background failure
             # surfaces on the next call, never as this call's error.
         else:
             with self._lock:
-                if self.durability is Durability.EXIT:
+                if self.durability is Durability.EXIT or self._pending:
                     self._write_exit([barrier])
                 else:
                     self._write_batch([], [barrier])
@@ -241,6 +246,7 @@ class _Writer(_Blobs):
                     self._unwritten[p.run_id] = n
                 else:
                     self._unwritten.pop(p.run_id, None)
+                    self._queued_mode.pop(p.run_id, None)
 
     def _write_loop(self) -> None:
         while True:
@@ -288,8 +294,17 @@ class _Writer(_Blobs):
                 return
 
     def _flush_locked_pending(self) -> None:
-        if self.durability is Durability.EXIT and self._pending:
+        if self._pending:
             self._write_exit([])
+
+    def _start_writer(self) -> None:
+        """Start the background writer (under the lock), for the first ``async``
+        checkpoint of a store whose own mode is another."""
+        if self._writer is None and not self._closed:
+            self._writer = threading.Thread(
+                target=self._write_loop, name="onceonly-checkpoint-writer", daemon=True
+            )
+            self._writer.start()
 
     def _write_exit(self, participants: Sequence[_Barrier]) -> None:
         """``exit`` mode: write every pending checkpoint (and ``participants``' work) in

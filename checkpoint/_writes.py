@@ -43,6 +43,7 @@ class _Change:
     source: Source | str = Source.STEP
     schema_version: int | None = None
     handoff: Handoff | None = None
+    durability: Durability | None = None
 
 
 class _Writes(_Reads):
@@ -155,6 +156,7 @@ class _Writes(_Reads):
         schema_version: int | None = None,
         handoff: Handoff | None = None,
         parent: int | None = None,
+        durability: Durability | str | None = None,
     ) -> CheckpointInfo:
         """Checkpoint the run's whole state; only what changed since the parent is stored.
 
@@ -172,6 +174,10 @@ class _Writes(_Reads):
             handoff: The run's new handoff note, written atomically with the checkpoint.
             parent: The sequence number the caller built this state on (``-1``: the run
                 must have no checkpoint yet); another head is a ``ConcurrentWrite``.
+            durability: When this checkpoint becomes durable (default: the store's).
+                Runs of different modes share one store: :meth:`flush` and every
+                :meth:`transact` make all of them durable, whatever their mode. Give one
+                run one mode (its checkpoints build on each other).
 
         Returns:
             The new checkpoint's metadata (durable on return in ``sync`` mode).
@@ -181,10 +187,11 @@ class _Writes(_Reads):
             ConcurrentWrite: Another writer advanced the run (or its head is not
                 ``parent``); nothing was written.
         """
+        mode = self._mode(durability)
         with self._lock:
             head = self._parent_head(run_id, parent)
             ops = _delta.diff(head.state if head else {}, state, self.codec)
-            change = _Change(step, next_step, status, source, schema_version, handoff)
+            change = _Change(step, next_step, status, source, schema_version, handoff, mode)
             return self._commit_ops(run_id, head, ops, change)
 
     def update(
@@ -202,6 +209,7 @@ class _Writes(_Reads):
         schema_version: int | None = None,
         handoff: Handoff | None = None,
         parent: int | None = None,
+        durability: Durability | str | None = None,
     ) -> CheckpointInfo:
         """Checkpoint explicit changes: O(changed) work, no comparison with the parent.
 
@@ -214,6 +222,7 @@ class _Writes(_Reads):
 
         Other arguments and errors as in :meth:`save`.
         """
+        mode = self._mode(durability)
         with self._lock:
             head = self._parent_head(run_id, parent)
             current = head.state if head else {}
@@ -234,8 +243,19 @@ class _Writes(_Reads):
                 ops[ch] = ("x",)
             for ch in ops:
                 _delta.check_channel(ch)
-            change = _Change(step, next_step, status, source, schema_version, handoff)
+            change = _Change(step, next_step, status, source, schema_version, handoff, mode)
             return self._commit_ops(run_id, head, ops, change)
+
+    def _mode(self, durability: Durability | str | None) -> Durability:
+        """The durability of one save: ``durability``, or the store's."""
+        if durability is None:
+            return self.durability
+        try:
+            return Durability(durability)
+        except ValueError:
+            raise ConfigurationError(
+                f"durability must be one of {[d.value for d in Durability]}, not {durability!r}"
+            ) from None
 
     def _parent_head(self, run_id: str, parent: int | None) -> _Head | None:
         """The head a save builds on, under the lock: ``parent`` if given (else
@@ -250,10 +270,19 @@ class _Writes(_Reads):
     def _commit_ops(
         self, run_id: str, head: _Head | None, ops: dict[str, _delta.Op], change: _Change
     ) -> CheckpointInfo:
+        mode = change.durability or self.durability
+        if self._unwritten.get(run_id) and (
+            mode is Durability.SYNC or self._queued_mode.get(run_id, mode) is not mode
+        ):
+            # The run's earlier checkpoints wait in another mode's queue (an operator's
+            # sync edit of an async run in this process): they are written first, in order.
+            self.flush()
         base = self.get_run(run_id) if head is None else None
         pending, new_head = self._build(run_id, head, ops, change, base)
         self._remember(run_id, new_head)
-        if self.durability is Durability.SYNC:
+        if mode is Durability.ASYNC:
+            self._start_writer()
+        if mode is Durability.SYNC:
             try:
                 self._write_batch([pending], isolate=False)
             except BaseException:
@@ -262,7 +291,8 @@ class _Writes(_Reads):
             return pending.info()
         with self._count_lock:
             self._unwritten[run_id] = self._unwritten.get(run_id, 0) + 1
-        if self.durability is Durability.ASYNC:
+            self._queued_mode[run_id] = mode
+        if mode is Durability.ASYNC:
             self._queue.put(pending)
         else:
             self._pending.append(pending)
@@ -389,9 +419,8 @@ class _Writes(_Reads):
             return head
         # Not cached (new to this process, or evicted): whatever this process queued for
         # the run must be in the database before the head is read from there.
-        if self.durability is Durability.EXIT:
-            self._flush_locked_pending()
-        elif self.durability is Durability.ASYNC:
+        self._flush_locked_pending()
+        if self._writer is not None:
             self.flush()
         try:
             _, head = self._load(run_id, None, lazy=True)

@@ -125,6 +125,7 @@ class Store(_Audit):
         # Checkpoints this process queued and has not yet written, per run: while a run
         # has some, this process's own view of the run is ahead of the database.
         self._unwritten = {}
+        self._queued_mode = {}  # per run with unwritten checkpoints: the mode they wait in
         # Runs whose queued checkpoints were left out, with the head the first one was
         # built on: the next save or load of that run raises CheckpointLost once.
         self._lost = {}
@@ -142,10 +143,7 @@ class Store(_Audit):
         if witness:
             self.attach_witness(witness)
         if self.durability is Durability.ASYNC:
-            self._writer = threading.Thread(
-                target=self._write_loop, name="onceonly-checkpoint-writer", daemon=True
-            )
-            self._writer.start()
+            self._start_writer()
 
     @classmethod
     def open(

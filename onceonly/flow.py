@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
-from onceonly.checkpoint import ConfigurationError, StateMigrations
+from onceonly.checkpoint import ConfigurationError, Durability, StateMigrations
 
 if TYPE_CHECKING:
     from .context import StepContext
@@ -154,6 +154,22 @@ class StepTimeout:
     then: str | None = None
 
 
+def durability_mode(value: Durability | str | None) -> Durability | None:
+    """``value`` as a :class:`Durability` (None stays None: the store's mode).
+
+    Raises:
+        ConfigurationError: It names no mode.
+    """
+    if value is None:
+        return None
+    try:
+        return Durability(value)
+    except ValueError:
+        raise ConfigurationError(
+            f"durability is one of {[d.value for d in Durability]}, not {value!r}"
+        ) from None
+
+
 def _check_seconds(what: str, value: float | None) -> None:
     if value is not None and (
         isinstance(value, bool)
@@ -181,6 +197,10 @@ class Flow:
             limit; ``Runtime.start(deadline_s=...)`` sets it per run).
         on_deadline: The step a run goes to when its deadline passes (None: the run
             fails with ``DeadlineExceeded``).
+        durability: When its runs' checkpoints become durable (``sync``, ``async`` or
+            ``exit``; None: the store's); ``Runtime.start(durability=...)`` sets it per
+            run. Effects are as safe in every mode: a checkpoint is durable before the
+            next effect is claimed.
 
     Example::
 
@@ -202,10 +222,12 @@ class Flow:
         tenant: str = "",
         deadline_s: float | None = None,
         on_deadline: str | None = None,
+        durability: Durability | str | None = None,
     ) -> None:
         if not _NAME.match(name):
             raise ConfigurationError(f"flow name {name!r}: use 1-100 of A-Z a-z 0-9 _ . -")
         _check_seconds("deadline_s", deadline_s)
+        self.durability = durability_mode(durability)
         self.name = name
         self.version = version
         self.state_version = migrations.current if migrations is not None else state_version

@@ -409,6 +409,8 @@ class Operator:
                 {"at": at, "by": actor, "action": "operator:restart", "reason": reason}
             ],
         }
+        if began.get("durability"):
+            state[META]["durability"] = began["durability"]  # the mode it was started in
         also = None
         limit = began.get("deadline")
         if limit:

@@ -36,6 +36,7 @@ from onceonly.checkpoint import (
     CodecError,
     ConcurrentWrite,
     ConfigurationError,
+    Durability,
     Handoff,
     LeaseHeld,
     Run,
@@ -74,7 +75,18 @@ from .errors import (
     ForkDiverged,
     StepTimedOut,
 )
-from .flow import End, Fail, Flow, Next, StepRetry, Transition, WaitFor, _check_seconds, flow_map
+from .flow import (
+    End,
+    Fail,
+    Flow,
+    Next,
+    StepRetry,
+    Transition,
+    WaitFor,
+    _check_seconds,
+    durability_mode,
+    flow_map,
+)
 
 __all__ = ["DEADLINE_WAIT", "META", "Runtime", "default_owner"]
 
@@ -172,6 +184,7 @@ class Runtime:
         started_by: str | None = None,
         handoff: Handoff | None = None,
         deadline_s: float | None = None,
+        durability: Durability | str | None = None,
     ) -> str:
         """Start a run of ``flow`` with its initial ``state``; a worker (or :meth:`drive`)
         runs it. Idempotent by ``run_id``: starting an existing run returns it unchanged.
@@ -180,6 +193,11 @@ class Runtime:
         running or waiting, the run leaves what it was doing (an open approval or
         signal is cancelled, a step still running claims nothing more and is dropped)
         and goes to the flow's ``on_deadline`` step, or fails with ``DeadlineExceeded``.
+
+        ``durability`` (default: the flow's, else the store's): when the run's
+        checkpoints become durable, whichever process drives it. Runs of every mode
+        share one store and one worker; in each, a checkpoint is durable before the next
+        effect is claimed (the first one before this returns).
 
         Returns:
             The run id.
@@ -198,6 +216,9 @@ class Runtime:
             "next": f.start,
         }
         _check_seconds("deadline_s", deadline_s)
+        mode = durability_mode(durability) or f.durability
+        if mode is not None:
+            initial[META]["durability"] = mode.value
         limit = deadline_s if deadline_s is not None else f.deadline_s
         also = None
         if limit is not None:
@@ -924,6 +945,7 @@ class Runtime:
         try:
             # A checkpoint of another writer since ``parent`` (another process, or an
             # Operator sharing this Store) is refused by the store as ConcurrentWrite.
+            mode = meta.get("durability")  # the run's own, or None: the store's
             if only_meta:
                 store.update(
                     run.run_id,
@@ -933,6 +955,7 @@ class Runtime:
                     status=status,
                     handoff=handoff,
                     parent=parent,
+                    durability=mode,
                 )
             else:
                 state[META] = meta
@@ -944,6 +967,7 @@ class Runtime:
                     status=status,
                     handoff=handoff,
                     parent=parent,
+                    durability=mode,
                 )
         except ConcurrentWrite:
             # An operator (cancel, edit) or another worker advanced the run first; their

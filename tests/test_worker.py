@@ -485,6 +485,37 @@ def test_a_step_past_its_timeout_in_a_worker_sends_nothing_more(
     assert "step dawdle timed out after 0.5 s" in fleet.log("w1")
 
 
+def test_runs_of_every_durability_mode_share_one_worker_across_a_kill(
+    any_url: str, provider: CountingProvider, fleet_on: Callable[[str], Fleet]
+) -> None:
+    """Three runs, one per durability mode, on one store and one worker process (its
+    store in the default mode): the worker is killed while one effect is being sent,
+    restarted under its name, and every run completes with each effect delivered once
+    (the write barrier before each effect holds in each run's mode)."""
+    fleet = fleet_on(any_url)
+    provider.hold["e2"] = 2.0  # the first run to send e2 is killed in the middle of it
+    with runtime_on(any_url) as rt:
+        ids = {
+            mode: rt.start(
+                "batch", {"url": provider.url, "effects": 5, "per_step": 1}, durability=mode
+            )
+            for mode in ("sync", "async", "exit")
+        }
+        fleet.spawn("w1", lease_s=1.0, poll_s=0.2)
+        wait_until(lambda: any(d.label == "e2" for d in provider.log), 20, "e2 applied")
+        fleet.kill("w1")
+        fleet.spawn("w1", lease_s=1.0, poll_s=0.2)
+        wait_until(
+            lambda: all(rt.store.get_run(r).status is RunStatus.COMPLETED for r in ids.values()),
+            45,
+            "completed",
+        )
+        for mode, rid in ids.items():
+            assert rt.store.load(rid).state[META]["durability"] == mode
+    assert fleet.stop("w1") == 0
+    assert_once(provider.log, {rid: {f"e{i}" for i in range(5)} for rid in ids.values()})
+
+
 # -- one worker in this process (both backends) ---------------------------------------
 def test_until_idle_drives_every_ready_run_and_returns(
     any_url: str, provider: CountingProvider

@@ -216,6 +216,7 @@ def _show_doc(store: Store, v: RunView) -> dict[str, Any]:
         "retry": plain(codec, v.meta.get("retry")),
         "last_error": plain(codec, v.meta.get("last_error")),
         "deadline": plain(codec, v.meta.get("deadline")),
+        "durability": v.meta.get("durability"),
         "forked_from": plain(codec, v.meta.get("forked_from")),
         "restarted_from": plain(codec, v.meta.get("restarted_from")),
         "restarted_as": plain(codec, v.meta.get("restarted_as") or []),
@@ -242,6 +243,8 @@ def _print_view(doc: dict[str, Any]) -> None:
     head.add_row("flow", f"{doc['flow']} (code {doc['code_version']})")
     head.add_row("status", doc["status"])
     head.add_row("next step", doc["next_step"] or "-")
+    if doc["durability"]:  # chosen for the run (else: the mode of the worker's store)
+        head.add_row("durability", doc["durability"])
     lease = doc["lease"]
     if lease["owner"]:
         head.add_row("lease", f"{lease['owner']} (until {ago(lease['expires_at'], now)})")
