@@ -1,4 +1,4 @@
-"""The S11 state machine: the whole runtime (three durability modes, two tenants, an
+"""The S11 state machine: the whole runtime (three durability modes, and the three mixed in one store; two tenants, an
 operator, deploys, crashes) beside a plain model, checked against the provider's raw log.
 
 See :mod:`property_tests.test_s11_runtime_model` for what is run and the positive
@@ -54,6 +54,10 @@ from tests.ledger_support import K1, Clock
 __all__ = ["MODES", "Counts", "Crash", "RuntimeModel", "flow_specs"]
 
 MODES = tuple(d.value for d in Durability)
+MIXED = "mixed"
+"""A fourth worker process whose store is in the default mode and whose runs each have a
+mode of their own (``Runtime.start(durability=...)``): all three modes in one store."""
+PROCS = (*MODES, MIXED)
 CRASH_POINTS = (
     "runtime.step.before",
     "ledger.claim.before",
@@ -164,6 +168,8 @@ class RunModel:
     gone: bool = False
     refused: bool = False
     done: bool = False
+    proc: str = ""
+    """The worker process that drives it (its mode's, or :data:`MIXED`)."""
 
 
 @dataclass
@@ -219,7 +225,7 @@ class RuntimeModel(RuleBasedStateMachine):
         )
 
     def _open(self, mode: str) -> Proc:
-        store = Store.open(self.db_url, durability=mode)
+        store = Store.open(self.db_url, durability="sync" if mode == MIXED else mode)
         ledger = self._ledger(store, f"rt-{mode}")
         return Proc(store, ledger, self._runtime(store, ledger, mode))
 
@@ -240,7 +246,7 @@ class RuntimeModel(RuleBasedStateMachine):
     def setup(self, spec: FlowSpec) -> None:
         self.spec = spec
         self.versions = [spec]
-        for mode in MODES:
+        for mode in PROCS:
             self.procs[mode] = self._open(mode)
 
     def teardown(self) -> None:
@@ -269,7 +275,7 @@ class RuntimeModel(RuleBasedStateMachine):
             return None
 
     def _drive(self, rm: RunModel, handler: Callable[[str], None] | None = None) -> None:
-        rt = self.procs[rm.mode].runtime
+        rt = self.procs[rm.proc or rm.mode].runtime
         for _ in range(3):
             try:
                 with armed(handler) if handler is not None else contextlib.nullcontext():
@@ -313,27 +319,36 @@ class RuntimeModel(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------
     @initialize(
-        spec=flow_specs(), tenants=st.lists(st.sampled_from(TENANTS), min_size=3, max_size=3)
+        spec=flow_specs(),
+        tenants=st.lists(st.sampled_from(TENANTS), min_size=3, max_size=3),
+        mixed=st.sampled_from(MODES),
     )
-    def init(self, spec: FlowSpec, tenants: list[str]) -> None:
-        """The flow, and a run in each durability mode (the rules add more)."""
+    def init(self, spec: FlowSpec, tenants: list[str], mixed: str) -> None:
+        """The flow, and a run in each durability mode (the rules add more), and one of
+        a mode of its own in the mixed process."""
         self.setup(self.fixed_spec or spec)
         for tenant, mode in zip(tenants, MODES, strict=True):
             self.begin(tenant, mode)
+        self.begin(tenants[0], mixed, shared=True)
 
-    @precondition(lambda self: len(self.runs) < 6)
-    @rule(tenant=st.sampled_from(TENANTS), mode=st.sampled_from(MODES))
-    def start(self, tenant: str, mode: str) -> None:
-        self.begin(tenant, mode)
+    @precondition(lambda self: len(self.runs) < 7)
+    @rule(tenant=st.sampled_from(TENANTS), mode=st.sampled_from(MODES), shared=st.booleans())
+    def start(self, tenant: str, mode: str, shared: bool) -> None:
+        self.begin(tenant, mode, shared=shared)
 
-    def begin(self, tenant: str, mode: str) -> RunModel:
+    def begin(self, tenant: str, mode: str, *, shared: bool = False) -> RunModel:
+        """A run of ``mode``: in its mode's process, or (``shared``) in the mixed one,
+        with the mode given to the run."""
         self.next_id += 1
-        rid = f"r{self.next_id}-{tenant}-{mode}"
-        self.procs[mode].runtime.start(flow_name(tenant), {"lineage": rid}, run_id=rid)
-        rm = RunModel(rid, tenant, mode, rid, self.spec.version)
+        proc = MIXED if shared else mode
+        rid = f"r{self.next_id}-{tenant}-{mode}{'-m' if shared else ''}"
+        self.procs[proc].runtime.start(
+            flow_name(tenant), {"lineage": rid}, run_id=rid, durability=mode if shared else None
+        )
+        rm = RunModel(rid, tenant, mode, rid, self.spec.version, proc=proc)
         self.runs[rid] = rm
         self.counts.runs += 1
-        self.counts.kinds[f"mode:{mode}"] += 1
+        self.counts.kinds[f"mode:{mode}{':mixed' if shared else ''}"] += 1
         return rm
 
     @precondition(lambda self: bool(self.live()))
@@ -380,7 +395,7 @@ class RuntimeModel(RuleBasedStateMachine):
         except Crash:
             self.counts.crashes += 1
             self.counts.kinds[f"crash:{point}"] += 1
-        self._restart(rm.mode)
+        self._restart(rm.proc or rm.mode)
 
     @precondition(lambda self: bool(self.live()))
     @rule(data=st.data(), point=st.sampled_from(BETWEEN), k=st.integers(1, 3), cancel=st.booleans())
@@ -584,7 +599,7 @@ class RuntimeModel(RuleBasedStateMachine):
         self.rotations += 1
         n = len(self.secrets) + 1
         self.secrets = [Secret(f"k{n}", bytes([n]) * 32), *self.secrets]
-        for mode in MODES:
+        for mode in PROCS:
             self._restart(mode)
         self.op_ledger.close()
         self.op_store.close()
@@ -593,7 +608,7 @@ class RuntimeModel(RuleBasedStateMachine):
         self.operator = Operator(self.op_store, self.op_ledger, clock=self.clock)
         self.counts.kinds["rotate"] += 1
 
-    @rule(mode=st.sampled_from(MODES))
+    @rule(mode=st.sampled_from(PROCS))
     def restart(self, mode: str) -> None:
         self._restart(mode)
 

@@ -5,7 +5,9 @@ flow (a plain step, a parallel step whose second ``ctx.parallel`` call repeats a
 name of the first, a loop revisited 2-3 times with an approval, a signal, a timer or
 nothing between visits, an explicit-key step, one or two waits) and runs it for two
 tenants in three worker processes, one per durability mode (``sync``, ``async``,
-``exit``), on one database, while an operator in a fourth approves, rejects, signals,
+``exit``), and a fourth whose store is in the default mode and whose runs each have a
+mode of their own (``Runtime.start(durability=...)``: all three modes in one store and
+one worker), on one database, while an operator in a fifth approves, rejects, signals,
 edits, cancels (between steps and in the middle of one), retries, forks, collects
 garbage at zero age and resolves in-doubt effects; workers crash at failpoints (an
 injected ``BaseException``) and restart; the keyring rotates; deploys rename, reorder,
