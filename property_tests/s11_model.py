@@ -1,5 +1,6 @@
-"""The S11 state machine: the whole runtime (three durability modes, and the three mixed in one store; two tenants, an
-operator, deploys, crashes) beside a plain model, checked against the provider's raw log.
+"""The S11 state machine: the whole runtime (three durability modes, and the three mixed
+in one store; two tenants, an operator, deploys, crashes) beside a plain model, checked
+against the provider's raw log.
 
 See :mod:`property_tests.test_s11_runtime_model` for what is run and the positive
 controls; :mod:`property_tests.s11_flows` for the flows and the provider.
