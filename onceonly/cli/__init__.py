@@ -190,7 +190,8 @@ def load_flows(spec: str) -> list[Flow]:
     type=click.Choice(["sync", "async", "exit"]),
     default="sync",
     show_default=True,
-    help="When checkpoints become durable (the store's Durability): every ledger write is "
+    help="When checkpoints become durable for runs without a mode of their own (the store's "
+    "Durability; Runtime.start(durability=...) sets a run's): every ledger write is "
     "durable before it returns in every mode; async/exit batch the checkpoints.",
 )
 @click.option(
