@@ -130,3 +130,12 @@ def give_up(ctx: StepContext) -> Transition:
 
 
 FLOWS = [PUBLISH, REPAIR, LEASE, PATIENT, IMPATIENT, DEADLINED]
+
+# The next release, as ``onceonly runs check`` sees it: publish's ``rejected`` step is
+# renamed ``declined``, which strands a run waiting for its approval (its rejection path).
+PUBLISH_V2 = Flow("publish", version="2")
+PUBLISH_V2.step(name="draft", start=True)(draft)
+PUBLISH_V2.step(name="send")(send)
+PUBLISH_V2.step(name="finish")(finish)
+PUBLISH_V2.step(name="declined")(rejected)
+NEXT_RELEASE = [PUBLISH_V2, REPAIR, LEASE, PATIENT, IMPATIENT, DEADLINED]

@@ -163,6 +163,33 @@ def test_runs_show_tells_a_runs_deadline_and_its_path(env: Env) -> None:
     assert "then give_up" in text
 
 
+def test_runs_check_names_the_runs_a_deploy_would_strand(env: Env) -> None:
+    env.publish("r-wait")  # waiting for approval "send"; a rejection goes to "rejected"
+    done = env.runtime.start("lease", {}, run_id="r-done")
+    assert env.drive(done) is RunStatus.COMPLETED
+    same = env.cli("runs", "check", "--flows", "tests.operator_flows:FLOWS")
+    assert "no run would be stranded" in same.output
+    new = "tests.operator_flows:NEXT_RELEASE"
+    found = env.cli("runs", "check", "--flows", new, ok=False)
+    assert found.exit_code == 1
+    assert "r-wait" in found.output
+    assert "on rejection of wait 'send'" in found.output
+    doc = json.loads(env.cli("runs", "check", "--flows", new, "--json", ok=False).stdout)
+    assert doc == [
+        {
+            "run_id": "r-wait",
+            "flow": "publish",
+            "status": "waiting",
+            "step": "rejected",
+            "where": "on rejection of wait 'send'",
+            "code_version": "1",
+        }
+    ]
+    bad = env.cli("runs", "check", "--flows", "no_such_module:X", ok=False)
+    assert bad.exit_code != 0
+    assert "no_such_module" in str(bad.exception)  # main() prints it as "error: ..."
+
+
 # -- approvals ------------------------------------------------------------------------------
 
 

@@ -167,6 +167,27 @@ def load_flows(spec: str) -> list[Flow]:
     return flows
 
 
+def _report_stranded(store: Any, flows: list[Flow]) -> None:
+    """Log every run whose next step this code lacks (from the run rows alone: cheap at
+    start; ``onceonly runs check`` also reads what each waiting run waits for)."""
+    import logging  # noqa: PLC0415
+
+    from onceonly.deploy import stranded  # noqa: PLC0415
+
+    log = logging.getLogger("onceonly.worker")
+    for s in stranded(store, flows, deep=False):
+        log.warning(
+            "run %s (%s, %s) names step %r as its %s, which this code lacks: it cannot go "
+            "on until a deploy has the step again or an operator forks it",
+            s.run_id,
+            s.flow,
+            s.status.value,
+            s.step,
+            s.where,
+            extra={"event": "run_stranded", "run_id": s.run_id, "step": s.step},
+        )
+
+
 @cli.command("worker")
 @click.option("--url", "--db", "url", default=None, help=URL_HELP)
 @click.option("--flows", "flows_spec", required=True, help="module:attribute of your Flow(s).")
@@ -239,6 +260,7 @@ def worker_cmd(
             ledger = open_ledger(store, required=True, owner=worker_owner, lease_s=claim_lease_s)
             try:
                 rt = Runtime(store, ledger, flows, owner=worker_owner, lease_s=lease_s)
+                _report_stranded(store, flows)
                 worker = Worker(rt, batch=batch, poll_s=poll_s)
                 worker.install_signal_handlers()
                 stats = worker.run(until_idle=until_idle)

@@ -391,6 +391,54 @@ def runs_show(run_id: str, url: str | None, as_json: bool, tables: bool) -> None
         click.echo(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
 
 
+@runs.command("check")
+@click.option("--flows", "flows_spec", required=True, help="module:attribute of the new code.")
+@url_option
+@json_option
+def runs_check(flows_spec: str, url: str | None, as_json: bool) -> None:
+    """Before a deploy: list the runs the --flows code would strand.
+
+    A run that is not over names the steps it goes to next: its next step, the step
+    after the wait it is in and that wait's rejection and expiry paths, its deadline's
+    path. A run naming a step the code lacks (renamed or removed) could not go on past
+    it. Exits 1 if a running or waiting run would be stranded (keep the step, or fork
+    those runs onto one the code has, first); failed runs are listed (a retry would
+    strand them) but do not fail the check.
+    """
+    from onceonly.deploy import stranded  # noqa: PLC0415
+
+    from . import load_flows  # noqa: PLC0415
+
+    flows = load_flows(flows_spec)
+    with open_store(url) as store:
+        found = stranded(store, flows)
+    if as_json:
+        emit_json(
+            [
+                {
+                    "run_id": s.run_id,
+                    "flow": s.flow,
+                    "status": s.status.value,
+                    "step": s.step,
+                    "where": s.where,
+                    "code_version": s.code_version,
+                }
+                for s in found
+            ]
+        )
+    elif not found:
+        click.echo("no run would be stranded: every step the runs name is in the code")
+    else:
+        print_table(
+            "runs this code would strand",
+            ("run id", "flow", "status", "missing step", "named as"),
+            [[s.run_id, s.flow, s.status.value, s.step, s.where] for s in found],
+            fold=("missing step", "named as"),
+        )
+    if any(s.status.value != "failed" for s in found):
+        raise SystemExit(1)
+
+
 def approve_command(run_id: str, name: str, digest: str) -> str:
     """The command that approves approval ``name`` of ``run_id`` (shell-quoted)."""
     import shlex  # noqa: PLC0415
