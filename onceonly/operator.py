@@ -37,9 +37,26 @@ from onceonly.ledger import RetentionPolicy as EffectRetention
 from .errors import RunNotResumable
 from .runtime import DEADLINE_WAIT, META
 
-__all__ = ["GcReport", "Operator", "RunView"]
+__all__ = ["GcReport", "NoteChange", "Operator", "RunView", "note_history"]
 
 _IN_DOUBT = ("unknown", "needs_human", "claimed")
+
+
+@dataclass(frozen=True)
+class NoteChange:
+    """The handoff note as a checkpoint set it.
+
+    Attributes:
+        seq: The checkpoint.
+        step: What wrote it.
+        at: When (UNIX seconds).
+        handoff: The note from that checkpoint on.
+    """
+
+    seq: int
+    step: str
+    at: float
+    handoff: Handoff
 
 
 @dataclass(frozen=True)
@@ -478,8 +495,13 @@ class Operator:
         raise ConcurrentWrite(run_id, int(self.store.get_run(run_id).head_seq or 0))
 
     def note(self, run_id: str, handoff: Handoff) -> Run:
-        """Replace the run's handoff note."""
+        """Replace the run's handoff note (the step that runs next reads it, and keeps it
+        in its checkpoint: :meth:`notes`)."""
         return self.store.update_run(run_id, handoff=handoff)
+
+    def notes(self, run_id: str) -> list[NoteChange]:
+        """How the run's handoff note changed: :func:`note_history`."""
+        return note_history(self.store, run_id)
 
     # -- retention ---------------------------------------------------------------------
     def gc(
@@ -607,3 +629,30 @@ def _both(first: Callable[[Any], Any], second: Callable[[Any], Any]) -> Callable
         return second(cur)
 
     return run
+
+
+def note_history(store: Store, run_id: str) -> list[NoteChange]:
+    """How the run's handoff note changed, checkpoint by checkpoint, oldest first:
+    the checkpoints that set another note than the one before (what was done, what
+    was ruled out, and when). Reads every checkpoint: for an operator, not a hot
+    path. Checkpoints written before notes were kept in them are skipped.
+
+    Raises:
+        RunNotFound: No such run.
+    """
+    out: list[NoteChange] = []
+    last: dict[str, Any] | None = None
+    for info in store.history(run_id):
+        meta = store.load(run_id, info.seq, lazy=True).state.get(META) or {}
+        doc = meta.get("note")
+        if doc is None or doc == last:
+            continue
+        last = doc
+        handoff = Handoff(
+            goal=str(doc.get("goal") or ""),
+            done=tuple(doc.get("done") or ()),
+            next=tuple(doc.get("next") or ()),
+            ruled_out=tuple(doc.get("ruled_out") or ()),
+        )
+        out.append(NoteChange(info.seq, info.step, info.created_at, handoff))
+    return out

@@ -100,6 +100,16 @@ log = logging.getLogger("onceonly.runtime")
 _TRACEBACK_CHARS = 8000
 
 
+def note_doc(h: Handoff) -> dict[str, Any]:
+    """A handoff note as the runtime keeps it in a checkpoint's bookkeeping."""
+    return {
+        "goal": h.goal,
+        "done": list(h.done),
+        "next": list(h.next),
+        "ruled_out": list(h.ruled_out),
+    }
+
+
 def _error_record(name: str, exc: BaseException, *, attempt: int | None = None) -> dict[str, Any]:
     """What the run keeps of a step's error: its type, message and traceback (the end of
     it, where the error was raised), and the attempt it ended."""
@@ -214,6 +224,7 @@ class Runtime:
             "key_run": rid,
             "started_by": started_by,
             "next": f.start,
+            "note": note_doc(handoff or Handoff()),
         }
         _check_seconds("deadline_s", deadline_s)
         mode = durability_mode(durability) or f.durability
@@ -942,6 +953,9 @@ class Runtime:
         not leak into the checkpoint).
         """
         store = self.store
+        # the handoff note as of this checkpoint: kept with it (``Operator.notes`` reads
+        # the history), at no cost while unchanged (the bookkeeping is diffed by key)
+        meta["note"] = note_doc(handoff)
         try:
             # A checkpoint of another writer since ``parent`` (another process, or an
             # Operator sharing this Store) is refused by the store as ConcurrentWrite.

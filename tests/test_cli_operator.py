@@ -163,6 +163,23 @@ def test_runs_show_tells_a_runs_deadline_and_its_path(env: Env) -> None:
     assert "then give_up" in text
 
 
+def test_runs_notes_shows_the_handoff_note_as_each_step_left_it(env: Env) -> None:
+    rid = env.publish("r-notes")
+    env.approve(rid)
+    assert env.drive(rid) is RunStatus.WAITING  # sent; waits for the ack
+    doc = env.json("runs", "notes", rid)
+    assert [(d["step"], d["goal"], d["done"], d["next"]) for d in doc] == [
+        ("start", "", [], []),
+        ("draft", "send a greeting to ann@x", [], ["approve the draft"]),
+        ("send", "send a greeting to ann@x", ["draft", "send"], ["wait for the ack"]),
+    ]
+    text = env.cli("runs", "notes", rid).output
+    assert "ruled out" in text  # piped: the table's columns, one line a checkpoint
+    assert "wait for the ack" in text
+    missing = env.cli("runs", "notes", "nope", ok=False)
+    assert missing.exit_code != 0
+
+
 def test_runs_check_names_the_runs_a_deploy_would_strand(env: Env) -> None:
     env.publish("r-wait")  # waiting for approval "send"; a rejection goes to "rejected"
     done = env.runtime.start("lease", {}, run_id="r-done")

@@ -391,6 +391,53 @@ def runs_show(run_id: str, url: str | None, as_json: bool, tables: bool) -> None
         click.echo(json.dumps(doc, indent=2, ensure_ascii=False, default=str))
 
 
+@runs.command("notes")
+@click.argument("run_id")
+@url_option
+@json_option
+def runs_notes(run_id: str, url: str | None, as_json: bool) -> None:
+    """How the run's handoff note changed, checkpoint by checkpoint: its goal, what was
+    done, what comes next and what was ruled out, as each step left it."""
+    from onceonly.operator import note_history  # noqa: PLC0415
+
+    with open_store(url) as store:
+        changes = note_history(store, run_id)
+    if as_json:
+        emit_json(
+            [
+                {
+                    "seq": c.seq,
+                    "step": c.step,
+                    "at": c.at,
+                    "goal": c.handoff.goal,
+                    "done": list(c.handoff.done),
+                    "next": list(c.handoff.next),
+                    "ruled_out": list(c.handoff.ruled_out),
+                }
+                for c in changes
+            ]
+        )
+        return
+    print_table(
+        f"handoff notes of {run_id}",
+        ("ckpt", "step", "at", "goal", "done", "next", "ruled out"),
+        [
+            [
+                str(c.seq),
+                c.step,
+                _when(c.at),
+                c.handoff.goal or "-",
+                "; ".join(c.handoff.done) or "-",
+                "; ".join(c.handoff.next) or "-",
+                "; ".join(c.handoff.ruled_out) or "-",
+            ]
+            for c in changes
+        ],
+        fold=("goal", "done", "next", "ruled out"),
+        right=("ckpt",),
+    )
+
+
 @runs.command("check")
 @click.option("--flows", "flows_spec", required=True, help="module:attribute of the new code.")
 @url_option
