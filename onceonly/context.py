@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextvars
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -80,6 +81,21 @@ class _Recording:
             probe=_not_happened,
         )(fn)
         return guarded(*args, **kwargs)
+
+    async def arecorded(
+        self, effect: str, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
+    ) -> T:
+        """:meth:`recorded` for an async read (``await ctx.arecorded("llm@1", ask, p)``),
+        in an async step or branch: the same key, the same replay on resume."""
+        guarded = guard(
+            self.ledger,
+            effect=effect,
+            provider_class=ProviderClass.QUERYABLE,
+            retry=_READ_RETRY,
+            classify=_read_failed,
+            probe=_not_happened,
+        )(fn)
+        return await guarded(*args, **kwargs)
 
 
 class StepContext(_Recording):
@@ -287,16 +303,7 @@ class StepContext(_Recording):
         if not branches:
             return {}
         pos = self._pos
-        call = self._parallel_calls
-        self._parallel_calls += 1
-        names = sorted(branches)
-        try:
-            self.recorded("parallel@1", _branch_set, names)
-        except KeyReuseError as exc:
-            raise BranchesDiverged(pos.run_id, f"{pos.step}#{pos.visit}", call, names) from exc
-        # The first call keeps the positions of releases before calls were numbered.
-        base = f"{pos.step}#{pos.visit}" if call == 0 else f"{pos.step}#{pos.visit}.p{call}"
-        memo_step = f"{base}:branches"
+        base, memo_step = self._branch_call(sorted(branches))
 
         def run(name: str, fn: Callable[[BranchContext], T]) -> T:
             bctx = BranchContext(self.ledger, pos, name)
@@ -337,6 +344,82 @@ class StepContext(_Recording):
         if errors:
             raise errors[0]  # type: ignore[misc]
         return {name: f.result() for name, f in futures.items()}
+
+    def _branch_call(self, names: list[str]) -> tuple[str, str]:
+        """Record this ``parallel`` call's branch names (the step's shape) and return the
+        position its branches and their memos sit at.
+
+        Raises:
+            BranchesDiverged: The call recorded other names.
+        """
+        pos = self._pos
+        call = self._parallel_calls
+        self._parallel_calls += 1
+        try:
+            self.recorded("parallel@1", _branch_set, names)
+        except KeyReuseError as exc:
+            raise BranchesDiverged(pos.run_id, f"{pos.step}#{pos.visit}", call, names) from exc
+        # The first call keeps the positions of releases before calls were numbered.
+        base = f"{pos.step}#{pos.visit}" if call == 0 else f"{pos.step}#{pos.visit}.p{call}"
+        return base, f"{base}:branches"
+
+    async def aparallel(
+        self,
+        branches: Mapping[str, Callable[[BranchContext], Awaitable[T]]],
+        *,
+        max_concurrency: int | None = None,
+    ) -> dict[str, T]:
+        """:meth:`parallel` for async branches, as asyncio tasks in the step's event loop
+        (an ``async def`` step: ``await ctx.aparallel({...})``). The same recording,
+        keys and resume: each finished branch's output is recorded as it completes, a
+        resume runs only the unfinished ones, other branch names are
+        :class:`~onceonly.errors.BranchesDiverged`. When a branch fails, the others still
+        finish and record; then the first error is raised. A cancelled step cancels its
+        branches: a branch cancelled while it acts leaves that effect in doubt, as a
+        kill would.
+        """
+        if not branches:
+            return {}
+        base, memo_step = self._branch_call(sorted(branches))
+        pos = self._pos
+        gate = asyncio.Semaphore(max_concurrency or len(branches))
+
+        async def run(name: str, fn: Callable[[BranchContext], Awaitable[T]]) -> T:
+            bctx = BranchContext(self.ledger, pos, name)
+            branch_step = f"{base}/{name}"
+
+            async def body() -> T:
+                with step(
+                    pos.key_run,
+                    branch_step,
+                    visit=pos.visit,
+                    tenant=pos.tenant,
+                    recorded=_recorded_keys(self.ledger, pos.key_run, branch_step),
+                ):
+                    return await fn(bctx)
+
+            memo = guard(
+                self.ledger,
+                effect=f"branch:{name}@1",
+                provider_class=ProviderClass.QUERYABLE,
+                retry=RetryPolicy(max_attempts=2, initial_s=0.0, max_s=0.0),
+                classify=_read_failed,
+                probe=_not_happened,
+                subject=pos.key_run,
+            )(body)
+            async with gate:
+                with step(pos.key_run, memo_step, visit=pos.visit, tenant=pos.tenant):
+                    return await memo()
+
+        names = list(branches)
+        # each task starts in a copy of this context (the fence, the step's position)
+        outs = await asyncio.gather(
+            *(run(name, branches[name]) for name in names), return_exceptions=True
+        )
+        for out in outs:
+            if isinstance(out, BaseException):
+                raise out
+        return dict(zip(names, outs, strict=True))  # type: ignore[arg-type]
 
 
 def _branch_set(names: list[str]) -> list[str]:

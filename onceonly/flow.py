@@ -12,7 +12,7 @@ recorded effects replay instead of acting again.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
@@ -181,7 +181,8 @@ def _check_seconds(what: str, value: float | None) -> None:
 
 
 Transition = Next | End | Fail | WaitFor
-Step = Callable[["StepContext"], Transition]
+Step = Callable[["StepContext"], Transition] | Callable[["StepContext"], Awaitable[Transition]]
+"""A step: a function of its context, ``def`` or ``async def``, returning a transition."""
 
 
 class Flow:

@@ -16,8 +16,12 @@ the ledger holds), who started the run, and the next step.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
+import inspect
 import logging
 import os
 import re
@@ -128,6 +132,44 @@ def _error_record(name: str, exc: BaseException, *, attempt: int | None = None) 
 """The visit at the head of what follows a step name's ``#`` in an effect's step id."""
 _IN_DOUBT = (EffectStatus.UNKNOWN, EffectStatus.NEEDS_HUMAN, EffectStatus.CLAIMED)
 _tracer = trace.get_tracer("onceonly.runtime")
+
+
+class _AsyncTimeUp(Exception):
+    """An async step was still running when its time was up: it was cancelled."""
+
+
+def _run_coroutine(
+    fn: Callable[[StepContext], Any],
+    ctx: StepContext,
+    time_up: float | None,
+    clock: Callable[[], float],
+) -> Any:
+    """Run an ``async def`` step to its transition on an event loop of its own, in this
+    thread's context (the run fence and the step's position reach its guarded calls).
+    With a time limit the step is cancelled when the time is up (an effect it was
+    sending is left in doubt, as a kill would leave it) and :class:`_AsyncTimeUp` is
+    raised. Called from a thread whose event loop is running (``drive`` in async code),
+    the step runs on a loop of its own in a helper thread."""
+
+    async def main() -> Any:
+        task = asyncio.ensure_future(fn(ctx))
+        if time_up is None:
+            return await task
+        done, _ = await asyncio.wait({task}, timeout=max(time_up - clock(), 0.0))
+        if done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # it stops at its next await; what it returns is dropped
+        raise _AsyncTimeUp
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(main())
+    here = contextvars.copy_context()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="onceonly-step") as pool:
+        return pool.submit(here.run, asyncio.run, main()).result()
 
 
 class _TryLater(Exception):
@@ -427,7 +469,12 @@ class Runtime:
                     run_fence(fence),
                     step(key_run, step_id, visit=visit, tenant=flow.tenant, recorded=recorded),
                 ):
-                    transition = fn(ctx)
+                    if inspect.iscoroutinefunction(fn):
+                        transition = _run_coroutine(fn, ctx, time_up, self.clock)
+                    else:
+                        transition = fn(ctx)
+            except _AsyncTimeUp:
+                return self._time_up(run, flow, meta, name, visit, parent)
             except (LedgerUnavailable, StoreError):
                 raise  # fail closed: nothing more is acted on by this worker
             except RunFenced as fenced:

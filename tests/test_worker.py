@@ -516,6 +516,26 @@ def test_runs_of_every_durability_mode_share_one_worker_across_a_kill(
     assert_once(provider.log, {rid: {f"e{i}" for i in range(5)} for rid in ids.values()})
 
 
+def test_an_async_step_in_a_killed_worker_resumes_in_another_with_effects_once(
+    any_url: str, provider: CountingProvider, fleet_on: Callable[[str], Fleet]
+) -> None:
+    """An ``async def`` step whose asyncio branches deliver ``x`` and ``y``; the worker
+    is killed after them, and restarted under its name (it takes its predecessor's
+    claims back at once) re-runs the step: what the branches recorded replays, and
+    ``z`` and the sync step's ``w`` are delivered, each effect once."""
+    fleet = fleet_on(any_url)
+    fleet.spawn("w1", lease_s=1.0, poll_s=0.2)
+    with runtime_on(any_url) as rt:
+        rid = rt.start("asynchronous", {"url": provider.url, "pause_s": 3.0})
+        wait_until(lambda: {d.label for d in provider.log} >= {"x", "y"}, 20, "x and y")
+        fleet.kill("w1")
+        assert rt.store.get_run(rid).status is RunStatus.RUNNING  # killed mid-step
+        fleet.spawn("w1", lease_s=1.0, poll_s=0.2)
+        wait_until(lambda: rt.store.get_run(rid).status is RunStatus.COMPLETED, 45, "completed")
+    assert fleet.stop("w1") == 0
+    assert_once(provider.log, {rid: {"x", "y", "z", "w"}})
+
+
 # -- one worker in this process (both backends) ---------------------------------------
 def test_until_idle_drives_every_ready_run_and_returns(
     any_url: str, provider: CountingProvider

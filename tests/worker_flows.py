@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from onceonly.adapters.http import GuardedHTTP
-from onceonly.context import StepContext
+from onceonly.adapters.http import AsyncGuardedHTTP, GuardedHTTP
+from onceonly.context import BranchContext, StepContext
 from onceonly.flow import Flow, StepRetry, Transition
 from onceonly.testing.servers import AppServer
 
@@ -202,7 +202,48 @@ def recover(ctx: StepContext) -> Transition:
     return ctx.end("recovered")
 
 
-FLOWS = [batch, pause, approval, timer, flaky, deadlined, dawdler]
+# -- asynchronous: async steps and asyncio branches, a pause a kill lands in ---------------
+asynchronous = Flow("asynchronous", version="1")
+
+
+async def _asend(ctx: StepContext | BranchContext, label: str, run_id: str, url: str) -> Any:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=2.0)) as client:
+        return await AsyncGuardedHTTP(client, ctx.ledger).post(
+            f"{url}/deliver",
+            effect="deliver@1",
+            json={"run": run_id, "label": label},
+            headers={"X-Worker": ctx.ledger.owner},
+            provider_class="B",
+            lookup=f"{url}/lookup/{{key}}",
+        )
+
+
+@asynchronous.step(start=True)
+async def fan_out(ctx: StepContext) -> Transition:
+    """Deliver ``x`` and ``y`` from two asyncio branches, pause ``pause_s`` seconds,
+    then deliver ``z``."""
+    url, rid = str(ctx.state["url"]), ctx.run_id
+
+    def branch(label: str) -> Any:
+        async def run(bctx: BranchContext) -> Any:
+            return (await _asend(bctx, label, rid, url))["status"]
+
+        return run
+
+    await ctx.aparallel({"x": branch("x"), "y": branch("y")})
+    await asyncio.sleep(float(ctx.state["pause_s"]))
+    await _asend(ctx, "z", rid, url)
+    return ctx.next("wrap_up")
+
+
+@asynchronous.step
+def wrap_up(ctx: StepContext) -> Transition:
+    """A sync step after the async one: deliver ``w`` and end."""
+    _send(ctx, "w")
+    return ctx.end("done")
+
+
+FLOWS = [batch, pause, approval, timer, flaky, deadlined, dawdler, asynchronous]
 
 
 # -- the oracle ---------------------------------------------------------------------------
