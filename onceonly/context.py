@@ -113,6 +113,10 @@ class StepContext(_Recording):
             ``timeout_s`` or the run's deadline, the sooner), None without a limit. Give
             the clients the step calls timeouts within it: an effect claimed after it
             is refused, and a step still running then is dropped.
+        version: The flow version the run was started under (its recorded code
+            version). Code that drives runs of older versions after a deploy branches
+            on it (``if ctx.version == "1": ...``); the code's own is ``flow_version``.
+        flow_version: The version of the code running this step.
     """
 
     def __init__(
@@ -128,9 +132,13 @@ class StepContext(_Recording):
         started_by: str | None,
         clock: Callable[[], float] = time.time,
         deadline: float | None = None,
+        version: str = "",
+        flow_version: str = "",
     ) -> None:
         self.store = store
         self.deadline = deadline
+        self.version = version
+        self.flow_version = flow_version
         self.ledger = ledger
         self.flow = flow
         self._pos = position

@@ -456,6 +456,8 @@ class Runtime:
             started_by=meta.get("started_by"),
             clock=self.clock,
             deadline=time_up,
+            version=run.code_version,
+            flow_version=flow.version,
         )
         with _tracer.start_as_current_span(f"step {flow.name}.{name}") as span:
             span.set_attribute("onceonly.run_id", run.run_id)

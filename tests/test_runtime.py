@@ -1255,3 +1255,25 @@ def test_a_live_claim_of_another_worker_defers_the_run_instead_of_failing_it(
     env.store.release_lease(rid, "rt:deferred")  # (the park's lease runs on wall time)
     assert rt.drive(rid).status is RunStatus.WAITING
     assert env.provider.sent() == []
+
+
+def test_a_step_knows_the_version_its_run_was_started_under(env: Env) -> None:
+    """A deploy's code drives the runs older code started; a step branches on the run's
+    version (the code's own is ``flow_version``)."""
+    seen: list[tuple[str, str]] = []
+
+    def build(version: str) -> Flow:
+        flow = Flow("versioned", version=version)
+
+        @flow.step(start=True)
+        def ask(ctx: StepContext) -> Transition:
+            seen.append((ctx.version, ctx.flow_version))
+            return ctx.wait_for_signal("go", then="ask") if ctx.visit == 0 else ctx.end()
+
+        return flow
+
+    rid = env.runtime(build("1")).start("versioned")
+    env.runtime(build("1")).drive(rid)
+    env.operator.signal(rid, "go", actor="portal")
+    assert env.runtime(build("2")).drive(rid).status is RunStatus.COMPLETED
+    assert seen == [("1", "1"), ("1", "2")]
