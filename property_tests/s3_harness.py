@@ -114,6 +114,8 @@ class Controller:
     ob_runs: list[str] = field(default_factory=list)
     needs_human: int = 0
     hold_keys: set[str] = field(default_factory=set)  # provider keys not to settle yet
+    frozen: bool = False  # a worker is stopped now: a send it claimed may still arrive
+    thawed_at: float = 0.0  # when the last stopped worker was resumed (monotonic)
     settle_after_s: float = 0.0
     durability: str = "sync"  # the controller's own store (the operator's process)
     _seen: dict[str, float] = field(default_factory=dict)
@@ -195,6 +197,13 @@ class Controller:
             if now - first < self.settle_after_s:
                 continue
             happened = self.api.applied_key(rec.provider_key)
+            if not happened and (self.frozen or now - self.thawed_at < self.settle_after_s):
+                # A person says "it never arrived" only once no worker that may hold the
+                # request is stopped (nor was resumed a moment ago): a stopped worker
+                # sends on when resumed, and a "not happened" given meanwhile would let
+                # the effect be sent twice (found by S4 on a loaded machine: a worker
+                # stopped mid-send outlasted the settle delay).
+                continue
             self.needs_human += 1
             self.ops.resolve(
                 rec.key_id,

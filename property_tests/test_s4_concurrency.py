@@ -127,6 +127,7 @@ class Chaos:
     _halt: threading.Event = field(default_factory=threading.Event)
     _resumer: threading.Thread | None = None
     unrecorded_resumes: int = 0  # stopped workers resumed by the safety net
+    last_thaw: float = 0.0  # when a stopped or paused worker was last resumed (monotonic)
 
     def spawn(self, owner: str) -> None:
         lease = self.leases.setdefault(owner, round(self.rng.uniform(0.2, 0.5), 3))
@@ -191,10 +192,12 @@ class Chaos:
                 if api.max_epoch(key) > epoch or now - since > MAX_HOLD_S:
                     self.zyg.signal(pid, signal.SIGCONT)
                     del self.paused[pid]
+                    self.last_thaw = now
             for pid, until in list(self.stopped.items()):
                 if now >= until:
                     self.zyg.signal(pid, signal.SIGCONT)
                     del self.stopped[pid]
+                    self.last_thaw = now
             # A worker whose pause line was read and resumed before its own SIGSTOP
             # landed (the take-over had already happened) is stopped with nobody holding
             # it: resume it too.
@@ -202,6 +205,7 @@ class Chaos:
             for pid in self.pids.values():
                 if pid not in held and _is_stopped(pid) and self.zyg.signal(pid, signal.SIGCONT):
                     self.unrecorded_resumes += 1
+                    self.last_thaw = now
 
     def tend(self, ctl: Controller) -> None:
         """Restart dead workers; tell the controller which keys paused workers hold."""
@@ -215,6 +219,10 @@ class Chaos:
             self.spawn(owner)
         with self._lock:
             ctl.hold_keys = {key for key, _, _ in self.paused.values()}
+            # A stopped worker (or one just resumed, on a loaded machine) may still send
+            # a request it claimed: "it never arrived" is not known while one may be.
+            ctl.frozen = bool(self.paused or self.stopped)
+            ctl.thawed_at = self.last_thaw
 
     def strike(self, pg_admin: str | None) -> None:
         """One random fault of the kill-stop / all mixes."""
