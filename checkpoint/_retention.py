@@ -10,7 +10,7 @@ from sqlalchemy import delete, select
 from . import _schema
 from ._engine import translate
 from ._retry import retried
-from ._runs import _handoff_fields, _run_fields
+from ._runs import _run_fields
 from ._writes import _Writes
 from .errors import CheckpointNotFound
 from .records import RetentionPolicy, RetentionReport, RunStatus, Snapshot
@@ -124,7 +124,7 @@ class _Retention(_Writes):
         record = {
             "run": {
                 **_run_fields(run),
-                "handoff": _handoff_fields(run.handoff),
+                "handoff": run.handoff.to_doc(),
                 "created_at": run.created_at,
                 "updated_at": run.updated_at,
             },

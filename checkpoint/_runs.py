@@ -522,19 +522,13 @@ class _Runs(_Connections):
     def _encode_handoff(self, h: Handoff) -> bytes:
         if not isinstance(h, Handoff):
             raise ConfigurationError(f"handoff must be a Handoff, not {type(h).__name__}")
-        return self.codec.encode(_handoff_fields(h))
+        return self.codec.encode(h.to_doc())
 
     def _run_from_row(self, row: Mapping[str, Any]) -> Run:
         handoff = Handoff()
         if row["handoff"] is not None:
             try:
-                d = self.codec.decode(bytes(row["handoff"]))
-                handoff = Handoff(
-                    goal=d["goal"],
-                    done=tuple(d["done"]),
-                    next=tuple(d["next"]),
-                    ruled_out=tuple(d["ruled_out"]),
-                )
+                handoff = Handoff.from_doc(self.codec.decode(bytes(row["handoff"])))
             except (KeyError, TypeError, OnceOnlyError) as exc:
                 raise CorruptRecord(
                     "the run's handoff note is unreadable", run_id=row["run_id"]
@@ -572,14 +566,4 @@ def _run_fields(run: Run) -> dict[str, Any]:
         "state_version": run.state_version,
         "status": run.status.value,
         "next_step": run.next_step,
-    }
-
-
-def _handoff_fields(h: Handoff) -> dict[str, Any]:
-    """A handoff note as plain data (what its stored form encodes)."""
-    return {
-        "goal": h.goal,
-        "done": list(h.done),
-        "next": list(h.next),
-        "ruled_out": list(h.ruled_out),
     }

@@ -84,6 +84,29 @@ class Handoff:
     next: tuple[str, ...] = ()
     ruled_out: tuple[str, ...] = ()
 
+    def to_doc(self) -> dict[str, Any]:
+        """The note as plain data (what its stored forms encode)."""
+        return {
+            "goal": self.goal,
+            "done": list(self.done),
+            "next": list(self.next),
+            "ruled_out": list(self.ruled_out),
+        }
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> Handoff:
+        """The note :meth:`to_doc` gave.
+
+        Raises:
+            KeyError, TypeError: ``doc`` is not such a note.
+        """
+        return cls(
+            goal=str(doc["goal"]),
+            done=tuple(doc["done"]),
+            next=tuple(doc["next"]),
+            ruled_out=tuple(doc["ruled_out"]),
+        )
+
 
 @dataclass(frozen=True)
 class Run:

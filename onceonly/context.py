@@ -42,6 +42,23 @@ def _read_failed(exc: BaseException) -> OutcomeClass:
 _READ_RETRY = RetryPolicy(max_attempts=2, initial_s=0.0, max_s=0.0)
 
 
+def _read_guard(
+    ledger: Ledger, effect: str, subject: str | None = None
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """The guard of a recorded read (sync or async): queryable, asked again when lost in
+    a crash (a read changes nothing), tried once more when it fails. ``subject``: whose
+    data the result is (a branch's memo is the run's: erased with the run's)."""
+    return guard(
+        ledger,
+        effect=effect,
+        provider_class=ProviderClass.QUERYABLE,
+        retry=_READ_RETRY,
+        classify=_read_failed,
+        probe=_not_happened,
+        subject=subject,
+    )
+
+
 @dataclass
 class _Position:
     run_id: str  # the run
@@ -72,30 +89,14 @@ class _Recording:
                 are a divergence).
             **kwargs: Its keyword arguments (fingerprinted).
         """
-        guarded = guard(
-            self.ledger,
-            effect=effect,
-            provider_class=ProviderClass.QUERYABLE,
-            retry=_READ_RETRY,
-            classify=_read_failed,
-            probe=_not_happened,
-        )(fn)
-        return guarded(*args, **kwargs)
+        return _read_guard(self.ledger, effect)(fn)(*args, **kwargs)
 
     async def arecorded(
         self, effect: str, fn: Callable[..., Awaitable[T]], /, *args: Any, **kwargs: Any
     ) -> T:
         """:meth:`recorded` for an async read (``await ctx.arecorded("llm@1", ask, p)``),
         in an async step or branch: the same key, the same replay on resume."""
-        guarded = guard(
-            self.ledger,
-            effect=effect,
-            provider_class=ProviderClass.QUERYABLE,
-            retry=_READ_RETRY,
-            classify=_read_failed,
-            probe=_not_happened,
-        )(fn)
-        return await guarded(*args, **kwargs)
+        return await _read_guard(self.ledger, effect)(fn)(*args, **kwargs)
 
 
 class StepContext(_Recording):
@@ -318,24 +319,11 @@ class StepContext(_Recording):
             branch_step = f"{base}/{name}"
 
             def body() -> T:
-                with step(
-                    pos.key_run,
-                    branch_step,
-                    visit=pos.visit,
-                    tenant=pos.tenant,
-                    recorded=_recorded_keys(self.ledger, pos.key_run, branch_step),
-                ):
+                with _branch_scope(self.ledger, pos, branch_step):
                     return fn(bctx)
 
-            memo = guard(
-                self.ledger,
-                effect=f"branch:{name}@1",
-                provider_class=ProviderClass.QUERYABLE,
-                retry=RetryPolicy(max_attempts=2, initial_s=0.0, max_s=0.0),
-                classify=_read_failed,
-                probe=_not_happened,
-                subject=pos.key_run,  # the output is the run's data: erased with the run's
-            )(body)
+            # the output is the run's data: erased with the run's
+            memo = _read_guard(self.ledger, f"branch:{name}@1", subject=pos.key_run)(body)
             # The memo sits at a position of the run (it belongs to the run: retention
             # keeps it while the run lives), one per call and branch name.
             with step(pos.key_run, memo_step, visit=pos.visit, tenant=pos.tenant):
@@ -397,24 +385,10 @@ class StepContext(_Recording):
             branch_step = f"{base}/{name}"
 
             async def body() -> T:
-                with step(
-                    pos.key_run,
-                    branch_step,
-                    visit=pos.visit,
-                    tenant=pos.tenant,
-                    recorded=_recorded_keys(self.ledger, pos.key_run, branch_step),
-                ):
+                with _branch_scope(self.ledger, pos, branch_step):
                     return await fn(bctx)
 
-            memo = guard(
-                self.ledger,
-                effect=f"branch:{name}@1",
-                provider_class=ProviderClass.QUERYABLE,
-                retry=RetryPolicy(max_attempts=2, initial_s=0.0, max_s=0.0),
-                classify=_read_failed,
-                probe=_not_happened,
-                subject=pos.key_run,
-            )(body)
+            memo = _read_guard(self.ledger, f"branch:{name}@1", subject=pos.key_run)(body)
             async with gate:
                 with step(pos.key_run, memo_step, visit=pos.visit, tenant=pos.tenant):
                     return await memo()
@@ -428,6 +402,18 @@ class StepContext(_Recording):
             if isinstance(out, BaseException):
                 raise out
         return dict(zip(names, outs, strict=True))  # type: ignore[arg-type]
+
+
+def _branch_scope(ledger: Ledger, pos: _Position, branch_step: str) -> Any:
+    """The position a branch's effects are keyed at, with what an earlier attempt of the
+    branch recorded (in its order)."""
+    return step(
+        pos.key_run,
+        branch_step,
+        visit=pos.visit,
+        tenant=pos.tenant,
+        recorded=_recorded_keys(ledger, pos.key_run, branch_step),
+    )
 
 
 def _branch_set(names: list[str]) -> list[str]:

@@ -648,11 +648,5 @@ def note_history(store: Store, run_id: str) -> list[NoteChange]:
         if doc is None or doc == last:
             continue
         last = doc
-        handoff = Handoff(
-            goal=str(doc.get("goal") or ""),
-            done=tuple(doc.get("done") or ()),
-            next=tuple(doc.get("next") or ()),
-            ruled_out=tuple(doc.get("ruled_out") or ()),
-        )
-        out.append(NoteChange(info.seq, info.step, info.created_at, handoff))
+        out.append(NoteChange(info.seq, info.step, info.created_at, Handoff.from_doc(doc)))
     return out

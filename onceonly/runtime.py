@@ -104,16 +104,6 @@ log = logging.getLogger("onceonly.runtime")
 _TRACEBACK_CHARS = 8000
 
 
-def note_doc(h: Handoff) -> dict[str, Any]:
-    """A handoff note as the runtime keeps it in a checkpoint's bookkeeping."""
-    return {
-        "goal": h.goal,
-        "done": list(h.done),
-        "next": list(h.next),
-        "ruled_out": list(h.ruled_out),
-    }
-
-
 def _error_record(name: str, exc: BaseException, *, attempt: int | None = None) -> dict[str, Any]:
     """What the run keeps of a step's error: its type, message and traceback (the end of
     it, where the error was raised), and the attempt it ended."""
@@ -266,7 +256,7 @@ class Runtime:
             "key_run": rid,
             "started_by": started_by,
             "next": f.start,
-            "note": note_doc(handoff or Handoff()),
+            "note": (handoff or Handoff()).to_doc(),
         }
         _check_seconds("deadline_s", deadline_s)
         mode = durability_mode(durability) or f.durability
@@ -405,16 +395,13 @@ class Runtime:
                 "type": "NothingToRun",
                 "message": "the run has no next step; fork it from an earlier checkpoint",
             }
-            self._save(
+            self._save_meta(
                 run,
                 "nothing-to-run",
-                state,
                 meta,
                 None,
                 RunStatus.FAILED,
-                run.handoff,
                 parent=parent,
-                only_meta=True,
             )
             return False
         return self._run_step(run, flow, state, meta, parent, fence)
@@ -513,16 +500,14 @@ class Runtime:
             # Like an error: the step's changes are dropped and the visit is not counted,
             # so a retry runs the same visit again and its effects replay.
             meta["error"] = {"step": name, "type": "Fail", "message": transition.reason}
-            self._save(
+            self._save_meta(
                 run,
                 f"{name}:failed",
-                state,
                 meta,
                 name,
                 RunStatus.FAILED,
-                ctx.handoff,
                 parent=parent,
-                only_meta=True,
+                handoff=ctx.handoff,
             )
             return False
         done = dict(meta)
@@ -698,16 +683,13 @@ class Runtime:
             "effect": doubt.key_id,
         }
         meta["next"] = step_name
-        if not self._save(
+        if not self._save_meta(
             run,
             f"{step_name}:in-doubt",
-            {},
             meta,
             step_name,
             RunStatus.WAITING,
-            run.handoff,
             parent=parent,
-            only_meta=True,
         ):
             return False
         if self.ledger.get(key_id).status not in _IN_DOUBT:
@@ -782,16 +764,13 @@ class Runtime:
                 then,
                 extra={"event": "run_deadline", "run_id": run.run_id, "step": then},
             )
-            return self._save(
+            return self._save_meta(
                 run,
                 "deadline",
-                {},
                 meta,
                 str(then),
                 RunStatus.RUNNING,
-                run.handoff,
                 parent=parent,
-                only_meta=True,
             )
         meta["error"] = _error_record(str(run.next_step), exc)
         log.error(
@@ -799,16 +778,13 @@ class Runtime:
             run.run_id,
             extra={"event": "run_failed", "run_id": run.run_id, "step": run.next_step},
         )
-        self._save(
+        self._save_meta(
             run,
             "deadline",
-            {},
             meta,
             run.next_step,
             RunStatus.FAILED,
-            run.handoff,
             parent=parent,
-            only_meta=True,
         )
         return False
 
@@ -858,16 +834,13 @@ class Runtime:
             limit.then,
             extra={"event": "step_timeout", "run_id": run.run_id, "step": name},
         )
-        return self._save(
+        return self._save_meta(
             run,
             f"{name}:timeout",
-            {},
             meta,
             limit.then,
             RunStatus.RUNNING,
-            run.handoff,
             parent=parent,
-            only_meta=True,
         )
 
     def _retry_later(
@@ -929,16 +902,13 @@ class Runtime:
             exc_info=exc,
             extra={"event": "step_retry", "run_id": run.run_id, "step": name},
         )
-        if not self._save(
+        if not self._save_meta(
             run,
             f"{name}:retry",
-            {},
             meta,
             name,
             RunStatus.WAITING,
-            run.handoff,
             parent=parent,
-            only_meta=True,
         ):
             self._drop_orphan_wait(run.run_id)
             return False
@@ -968,18 +938,40 @@ class Runtime:
             exc_info=exc,
             extra={"event": "run_failed", "run_id": run.run_id, "step": name},
         )
-        self._save(
+        self._save_meta(
             run,
             f"{name}:failed",
-            {},
             meta,
             run.next_step,
             RunStatus.FAILED,
-            run.handoff,
+            parent=parent,
+        )
+        return False
+
+    def _save_meta(
+        self,
+        run: Run,
+        step_name: str,
+        meta: dict[str, Any],
+        next_step: str | None,
+        status: RunStatus,
+        *,
+        parent: int,
+        handoff: Handoff | None = None,
+    ) -> bool:
+        """A checkpoint of the runtime's bookkeeping alone (a failed, parked or timed-out
+        step, a passed deadline): the state stays as checkpoint ``parent`` has it."""
+        return self._save(
+            run,
+            step_name,
+            {},
+            meta,
+            next_step,
+            status,
+            run.handoff if handoff is None else handoff,
             parent=parent,
             only_meta=True,
         )
-        return False
 
     def _save(
         self,
@@ -1003,8 +995,9 @@ class Runtime:
         """
         store = self.store
         # the handoff note as of this checkpoint: kept with it (``Operator.notes`` reads
-        # the history), at no cost while unchanged (the bookkeeping is diffed by key)
-        meta["note"] = note_doc(handoff)
+        # the history); a step's checkpoint diffs the bookkeeping by key (an unchanged
+        # note adds no bytes), one of the bookkeeping alone (only_meta) rewrites it whole
+        meta["note"] = handoff.to_doc()
         try:
             # A checkpoint of another writer since ``parent`` (another process, or an
             # Operator sharing this Store) is refused by the store as ConcurrentWrite.

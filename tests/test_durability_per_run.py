@@ -8,12 +8,13 @@ which sees only what was committed. Every test runs on SQLite and PostgreSQL.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 
 from onceonly.adapters import guard
-from onceonly.checkpoint import ConfigurationError, Durability, RunStatus, Store
+from onceonly.checkpoint import ConfigurationError, Durability, RunStatus, Store, failpoints
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
 from onceonly.runtime import Runtime
@@ -106,7 +107,7 @@ def test_without_a_mode_a_run_follows_the_store(env: Env, db_url: str) -> None:
 
 
 def test_an_operator_edit_of_a_queued_run_in_the_same_process_keeps_the_order(
-    env: Env, db_url: str
+    env: Env, db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A sync checkpoint (an operator's edit) of a run whose async checkpoints are still
     queued in this process: the queued ones are written first, and the edit builds on
@@ -116,17 +117,50 @@ def test_an_operator_edit_of_a_queued_run_in_the_same_process_keeps_the_order(
     @flow.step(start=True)
     def one(ctx: StepContext) -> Transition:
         ctx.state["n"] = 1
-        return ctx.wait_for_signal("go", then="two")
+        return ctx.next("two")  # not a suspension: its checkpoint is not flushed
 
     @flow.step
     def two(ctx: StepContext) -> Transition:
+        return ctx.wait_for_signal("go", then="three")
+
+    @flow.step
+    def three(ctx: StepContext) -> Transition:
         return ctx.end(ctx.state["n"])
 
     rt = env.runtime(flow)
+    # The writer thread is held before it commits until the edit asks for a barrier, so
+    # "one"'s async checkpoint is still queued when the edit is built (not written first
+    # by a fast writer thread, which would leave the flush-first path untried).
+    gate = threading.Event()
+
+    def hold_writer(name: str) -> None:
+        if name == "checkpoint.commit.before" and threading.current_thread().name == (
+            "onceonly-checkpoint-writer"
+        ):
+            assert gate.wait(60), "the edit never asked for the queued checkpoint"
+
+    barriers: list[str] = []
+
+    def opening(real: Any, what: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            barriers.append(what)
+            gate.set()
+            return real(*args, **kwargs)
+
+        return call
+
+    store = env.store
+    monkeypatch.setattr(store, "flush", opening(store.flush, "flush"))
+    monkeypatch.setattr(store, "transact", opening(store.transact, "transact"))
     for mode in ("async", "exit"):
         rid = rt.start("two", run_id=f"q-{mode}", durability=mode)
-        rt.step_once(rid)  # "one"'s checkpoint queued (no drive: nothing flushed it)
-        env.operator.edit(rid, "n", 5, actor="ops", reason="fix")
+        gate.clear()
+        barriers.clear()
+        with failpoints.armed(hold_writer):
+            rt.step_once(rid)  # "one"'s checkpoint queued (no drive: nothing flushed it)
+            assert _durable_head(db_url, rid) == 0, barriers
+            env.operator.edit(rid, "n", 5, actor="ops", reason="fix")
+        assert barriers  # the edit wrote the queued checkpoint first
         env.operator.signal(rid, "go", actor="portal")
         assert rt.drive(rid).status is RunStatus.COMPLETED
         assert env.state(rid)["result"] == 5
