@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -504,10 +504,11 @@ class Waits:
         ttl_s: float,
         *,
         limit: int = 1,
-        flows: Sequence[str] | None = None,
+        flows: Sequence[str] | Mapping[str, Iterable[str]] | None = None,
     ) -> list[str]:
         """Lease up to ``limit`` ready runs to ``owner`` for ``ttl_s`` seconds (with
-        ``flows``, only runs of those flows: a worker never leases a run it cannot drive).
+        ``flows``, only runs of those flows; a mapping gives the versions of each flow's
+        runs: a worker never leases a run it cannot drive).
 
         Ready: ``running`` with no live lease (new, woken, or left by a crashed worker),
         or ``waiting`` with a due timer or an expired approval. A lease held by ``owner``
@@ -527,10 +528,9 @@ class Waits:
         # A lease is free when nobody holds it, it lapsed, or it is our own: a restarted
         # worker with a stable owner name takes its dead predecessor's runs back at once.
         free = f"(r.lease_owner IS NULL OR r.lease_expires_at < {q} OR r.lease_owner = {q})"
-        names = sorted(set(flows)) if flows is not None else None
+        only, names = _flow_filter(flows, q)
         if names == []:
             return []
-        only = "" if names is None else f"r.flow IN ({', '.join([q] * len(names))}) AND "
         pick = (
             f"SELECT r.run_id FROM oo_runs r WHERE {only}("
             f"(r.status = 'running' AND {free}) "
@@ -763,3 +763,26 @@ def notify_ready(cur: Any, dialect: str) -> None:
     """Wake idle workers (PostgreSQL ``NOTIFY``; a no-op on SQLite, where they poll)."""
     if dialect == "postgresql":
         cur.execute(f"NOTIFY {NOTIFY_CHANNEL}")
+
+
+def _flow_filter(
+    flows: Sequence[str] | Mapping[str, Iterable[str]] | None, q: str
+) -> tuple[str, list[str] | None]:
+    """The claim's condition on a run's flow (and version), and its parameters: None for
+    every flow, an empty list for none."""
+    if flows is None:
+        return "", None
+    if not isinstance(flows, Mapping):
+        names = sorted(set(flows))
+        return f"r.flow IN ({', '.join([q] * len(names))}) AND ", names
+    terms: list[str] = []
+    params: list[str] = []
+    for name, versions in sorted(flows.items()):
+        vs = sorted(set(versions))
+        if not vs:
+            continue
+        terms.append(f"(r.flow = {q} AND r.code_version IN ({', '.join([q] * len(vs))}))")
+        params += [name, *vs]
+    if not terms:
+        return "", []
+    return f"({' OR '.join(terms)}) AND ", params

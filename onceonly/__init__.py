@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # what editors and mypy see; at run time, __getattr__ below
         RunError,
         RunNotResumable,
         StepTimedOut,
+        UpgradeRefused,
+        VersionNotServed,
     )
     from .flow import End, Fail, Flow, Next, StepRetry, StepTimeout, WaitFor
     from .operator import GcReport, Operator, RunView
@@ -51,6 +53,8 @@ __all__ = [
     "StepRetry",
     "StepTimedOut",
     "StepTimeout",
+    "UpgradeRefused",
+    "VersionNotServed",
     "WaitFor",
     "Worker",
     "WorkerStats",
@@ -77,6 +81,8 @@ _WHERE = {
     "StepRetry": "flow",
     "StepTimedOut": "errors",
     "StepTimeout": "flow",
+    "UpgradeRefused": "errors",
+    "VersionNotServed": "errors",
     "WaitFor": "flow",
     "Worker": "worker",
     "WorkerStats": "worker",

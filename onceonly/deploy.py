@@ -35,7 +35,9 @@ class Stranded:
         status: Its status.
         step: The step the code lacks.
         where: Where the run names it (``next step``, ``after wait 'x'``, ...).
-        code_version: The flow version that last wrote the run.
+        code_version: The flow version the run is on.
+        served: False: the code does not serve the run's version at all (``step`` is
+            empty): the run is left to workers of its version, or ``runs upgrade``.
     """
 
     run_id: str
@@ -44,9 +46,10 @@ class Stranded:
     step: str
     where: str
     code_version: str
+    served: bool = True
 
 
-def _named(run: Run, meta: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+def named_steps(run: Run, meta: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     """The steps ``run`` goes to next, with where it names them."""
     if run.next_step:
         yield str(run.next_step), "next step"
@@ -78,10 +81,12 @@ def _not_over(store: Store, flow: str) -> list[Run]:
 
 def stranded(store: Store, flows: Iterable[Flow], *, deep: bool = True) -> list[Stranded]:
     """The runs of ``flows`` (by name) that are not over and name a step the given code
-    lacks, oldest update first. Runs of other flows are not this code's to drive and
-    are left out; so are ended runs. A failed run counts (an operator's retry resumes
-    it at its next step). ``deep=False`` checks only the next step, from the run rows
-    (no checkpoint is read: what a worker checks when it starts).
+    lacks, oldest update first; and those on a version the code does not serve at all
+    (``served=False``: they wait for a worker of their version, or an upgrade). Runs of
+    other flows are not this code's to drive and are left out; so are ended runs. A
+    failed run counts (an operator's retry resumes it at its next step). ``deep=False``
+    checks only the next step, from the run rows (no checkpoint is read: what a worker
+    checks when it starts).
 
     Raises:
         ConfigurationError: ``flows`` names a flow twice or one without steps.
@@ -91,11 +96,19 @@ def stranded(store: Store, flows: Iterable[Flow], *, deep: bool = True) -> list[
     out: list[Stranded] = []
     for name, flow in sorted(code.items()):
         for run in _not_over(store, name):
+            if not flow.drives(run.code_version):
+                where = f"version {run.code_version!r}, not served by this code"
+                out.append(
+                    Stranded(
+                        run.run_id, name, run.status, "", where, run.code_version, served=False
+                    )
+                )
+                continue
             meta: Mapping[str, Any] = {}
             if deep and run.head_seq is not None:
                 meta = store.load(run.run_id, lazy=True).state.get(META) or {}
             seen: set[str] = set()
-            for step, where in _named(run, meta):
+            for step, where in named_steps(run, meta):
                 if step in flow.steps or step in seen:
                     continue
                 seen.add(step)

@@ -29,6 +29,8 @@ __all__ = [
     "RunError",
     "RunNotResumable",
     "StepTimedOut",
+    "UpgradeRefused",
+    "VersionNotServed",
 ]
 
 
@@ -87,6 +89,42 @@ class FlowNotRegistered(RunError):
             f"run {run_id!r} belongs to flow {flow!r}, which is not registered with this "
             f"runtime or worker (pass it with --flows module:attribute)",
         )
+
+
+class VersionNotServed(RunError):
+    """The run was started under a version of its flow this code does not serve: a run
+    stays on its version until ``onceonly runs upgrade`` moves it. A worker never claims
+    such a run; :meth:`Runtime.drive` refuses it, with nothing done.
+
+    Attributes:
+        flow: The flow name.
+        version: The run's version.
+        served: The versions this code serves.
+    """
+
+    def __init__(self, run_id: str, flow: str, version: str, served: frozenset[str]) -> None:
+        self.flow = flow
+        self.version = version
+        self.served = served
+        super().__init__(
+            run_id,
+            f"run {run_id!r} of flow {flow!r} is on version {version!r}; this code serves "
+            f"{', '.join(sorted(served))}: run a worker with code of that version, declare "
+            f"Flow(..., serves=({version!r},)) if this code drives its runs, or move the run "
+            f"with `onceonly runs upgrade {run_id} --to VERSION`",
+        )
+
+
+class UpgradeRefused(RunError):
+    """``onceonly runs upgrade`` cannot move the run as asked; nothing changed.
+
+    Attributes:
+        reason: Why.
+    """
+
+    def __init__(self, run_id: str, reason: str) -> None:
+        self.reason = reason
+        super().__init__(run_id, f"run {run_id!r} is not upgraded: {reason}")
 
 
 class StepTimedOut(RunError):

@@ -12,7 +12,7 @@ recorded effects replay instead of acting again.
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+_VERSION = re.compile(r"^[\x21-\x7e]{1,100}$")
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,15 @@ class Flow:
             ``exit``; None: the store's); ``Runtime.start(durability=...)`` sets it per
             run. Effects are as safe in every mode: a checkpoint is durable before the
             next effect is claimed.
+        serves: Older versions of this flow whose runs this code also drives (it keeps
+            their steps and reads their state). A run stays on the version that started
+            it: a worker drives only runs of the versions its flows serve (their own and
+            these), and a run of another version waits for a worker that serves it, or
+            for ``onceonly runs upgrade``.
+        upgrades: For ``onceonly runs upgrade``: per older version, the steps its runs
+            take under this code's names (``{"1": {"review": "check"}}``: a run of
+            version 1 at ``review`` goes on at ``check``). Steps not named keep their
+            names. The state is upgraded by ``migrations``.
 
     Example::
 
@@ -224,9 +234,24 @@ class Flow:
         deadline_s: float | None = None,
         on_deadline: str | None = None,
         durability: Durability | str | None = None,
+        serves: Iterable[str] = (),
+        upgrades: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         if not _NAME.match(name):
             raise ConfigurationError(f"flow name {name!r}: use 1-100 of A-Z a-z 0-9 _ . -")
+        if not isinstance(version, str) or not _VERSION.match(version):
+            raise ConfigurationError(f"flow version {version!r}: use 1-100 printable characters")
+        if isinstance(serves, str):
+            raise ConfigurationError("serves= takes versions (a tuple of strings), not one string")
+        older = tuple(serves)
+        if not all(isinstance(v, str) and _VERSION.match(v) for v in older):
+            raise ConfigurationError(f"serves= takes version strings, not {older!r}")
+        self.served = frozenset((version, *older))
+        self.upgrades: dict[str, dict[str, str]] = {}
+        for old_version, renames in (upgrades or {}).items():
+            if not isinstance(old_version, str) or not isinstance(renames, Mapping):
+                raise ConfigurationError("upgrades= maps an older version to {old step: new step}")
+            self.upgrades[old_version] = {str(a): str(b) for a, b in renames.items()}
         _check_seconds("deadline_s", deadline_s)
         self.durability = durability_mode(durability)
         self.name = name
@@ -297,6 +322,15 @@ class Flow:
 
         return register if fn is None else register(fn)
 
+    def drives(self, version: str) -> bool:
+        """Whether this code drives runs started under ``version`` (its own version, or
+        one it ``serves``)."""
+        return version in self.served
+
+    def step_after_upgrade(self, from_version: str, step: str) -> str:
+        """The name under this code of step ``step`` of a run of ``from_version``."""
+        return self.upgrades.get(from_version, {}).get(step, step)
+
     def get(self, step: str) -> Step:
         """The step function ``step``.
 
@@ -328,5 +362,12 @@ def flow_map(flows: Iterable[Flow]) -> dict[str, Flow]:
         for what, target in paths:
             if target is not None and target not in f.steps:
                 raise ConfigurationError(f"flow {f.name!r}: {what} names no step ({target!r})")
+        for old_version, renames in f.upgrades.items():
+            for target in renames.values():
+                if target not in f.steps:
+                    raise ConfigurationError(
+                        f"flow {f.name!r}: upgrades from version {old_version!r} name no "
+                        f"step {target!r}"
+                    )
         out[f.name] = f
     return out

@@ -8,6 +8,7 @@ re-fires an effect the ledger holds as committed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -20,22 +21,28 @@ from onceonly.checkpoint import (
     ConcurrentWrite,
     ConfigurationError,
     Handoff,
+    LeaseHeld,
     RetentionPolicy,
     Run,
     RunExists,
     RunStatus,
     Source,
     Store,
+    StoreError,
     Wait,
     WaitKind,
     Waits,
     notify_ready,
 )
-from onceonly.ledger import UNKNOWN_RESULT, EffectRecord, Ledger
+from onceonly.ledger import UNKNOWN_RESULT, EffectIdentity, EffectRecord, Ledger, ProviderClass
 from onceonly.ledger import RetentionPolicy as EffectRetention
 
-from .errors import RunNotResumable
+from .deploy import named_steps
+from .errors import RunNotResumable, UpgradeRefused
+from .flow import Flow
 from .runtime import DEADLINE_WAIT, META
+
+_UPGRADE_LEASE_S = 120.0  # the operator's hold on a run it upgrades (released after)
 
 __all__ = ["GcReport", "NoteChange", "Operator", "RunView", "note_history"]
 
@@ -494,6 +501,170 @@ class Operator:
         # workers kept advancing the run: say at which checkpoint it is now
         raise ConcurrentWrite(run_id, int(self.store.get_run(run_id).head_seq or 0))
 
+    def upgrade(self, run_id: str, flow: Flow, *, actor: str, reason: str) -> Run:
+        """Move a run on purpose to ``flow``'s version (the code that is to drive it).
+
+        A run stays on the version that started it; this moves it. Its state is
+        upgraded by ``flow.migrations`` (a checkpoint of source ``migration``), and the
+        steps it names (its next step, a wait's paths, its deadline's path, the visits
+        and attempts counted) take the names ``flow.upgrades`` gives for the run's
+        version (unnamed steps keep theirs). Every step it names must exist in
+        ``flow``. The move is an operator checkpoint (``operator:upgrade``, with the
+        actor, the reason, both versions and the renames in the run's operator log), and
+        a record in the run's audit chain in the ledger (``operator.upgrade@1``); then
+        the run's version is ``flow.version``. The run is leased to the operator
+        meanwhile: no worker drives it halfway.
+
+        A running run whose next step is renamed and has effects recorded at its current
+        visit (a step that acted, then stopped) is refused: under its new name the step
+        would act again. Let a worker of the run's version finish that step first.
+
+        Repeating an upgrade that was interrupted finishes it; an upgrade to the run's
+        own version returns the run unchanged.
+
+        Raises:
+            ConfigurationError: No actor or reason.
+            UpgradeRefused: Another flow; an ended run; a step it names missing from
+                ``flow``; a state version ``flow`` cannot upgrade; a half-done renamed
+                step; a worker holds the run. Nothing changed.
+        """
+        if not actor.strip() or not reason.strip():
+            raise ConfigurationError("an upgrade needs the operator's identity and a reason")
+        run = self.store.get_run(run_id)
+        if run.flow != flow.name:
+            raise UpgradeRefused(run_id, f"it is a run of flow {run.flow!r}, not {flow.name!r}")
+        if run.code_version == flow.version:
+            return run
+        if run.status in (RunStatus.COMPLETED, RunStatus.CANCELLED):
+            # (a failed run is moved: an operator's retry then goes on under the new code)
+            raise UpgradeRefused(run_id, f"it is {run.status.value}: an ended run stays as it was")
+        holder = f"operator:{actor}"[:200]
+        try:
+            self.store.acquire_lease(run_id, holder, _UPGRADE_LEASE_S)
+        except LeaseHeld as exc:
+            raise UpgradeRefused(
+                run_id, f"a worker holds it ({exc}); try again when its step is done"
+            ) from exc
+        try:
+            return self._upgrade(run_id, flow, actor=actor, reason=reason)
+        finally:
+            with contextlib.suppress(LeaseHeld, StoreError):
+                self.store.release_lease(run_id, holder)
+
+    def _upgrade(self, run_id: str, flow: Flow, *, actor: str, reason: str) -> Run:
+        run, snap = self.store.load_run(run_id)
+        if snap is None:
+            raise UpgradeRefused(run_id, "it has no checkpoint yet")
+        old = run.code_version
+        meta = dict(snap.state.get(META) or {})
+        # what this run's steps are called under ``flow``
+        renames = {a: b for a, b in flow.upgrades.get(old, {}).items() if a != b}
+
+        def moved(step: Any) -> Any:
+            return renames.get(step, step) if isinstance(step, str) else step
+
+        missing = sorted(
+            {
+                f"{moved(step)!r} ({where})"
+                for step, where in named_steps(run, meta)
+                if moved(step) not in flow.steps
+            }
+        )
+        if missing:
+            raise UpgradeRefused(
+                run_id,
+                f"version {flow.version!r} of {flow.name!r} has no step "
+                f"{', '.join(missing)}: map it in Flow(upgrades={{{old!r}: {{...}}}})",
+            )
+        mig = flow.migrations
+        have = snap.info.schema_version
+        if mig is None and have != flow.state_version:
+            raise UpgradeRefused(
+                run_id,
+                f"its state is version {have} and the code writes version "
+                f"{flow.state_version} with no migrations",
+            )
+        if mig is not None and have > mig.current:
+            raise UpgradeRefused(
+                run_id, f"its state is version {have}, newer than the code's {mig.current}"
+            )
+        visits = {str(k): int(v) for k, v in dict(meta.get("visits") or {}).items()}
+        nxt = run.next_step
+        retry = dict(meta.get("retry") or {})
+        # the step visit the run goes on with (a step that failed, stopped or waits for
+        # its retry timer): under a new name its recorded effects would not replay
+        for step in sorted({str(x) for x in (nxt, retry.get("step")) if x in renames}):
+            at = f"{step}#{visits.get(step, 0)}"
+            key_run = str(meta.get("key_run") or run_id)
+            if any(_at_position(r.step_id, at) for r in self.ledger.effects(run_id=key_run)):
+                raise UpgradeRefused(
+                    run_id,
+                    f"its step {step!r} has effects recorded at visit {visits.get(step, 0)} "
+                    f"(it acted, then stopped): as {renames[step]!r} it would act again; "
+                    f"let a worker of version {old!r} finish the step first",
+                )
+        if mig is not None and have != mig.current:
+            # a checkpoint of source ``migration`` with the upgraded state
+            run, snap = self.store.load_run(run_id, migrations=mig)
+            assert snap is not None
+            meta = dict(snap.state.get(META) or {})
+        # The renamed visits count from the old ones; the old counts stay (visits passed
+        # under the old name are behind the run, whatever the code now calls them).
+        for a, b in renames.items():
+            if a in visits:
+                visits[b] = max(visits.get(b, 0), visits[a])
+        attempts = {}
+        for sid, n in dict(meta.get("attempts") or {}).items():
+            name, sep, rest = str(sid).partition("#")
+            attempts[f"{moved(name)}{sep}{rest}"] = n
+        update: dict[str, Any] = {"visits": visits, "attempts": attempts, "next": moved(nxt)}
+        waiting = meta.get("waiting")
+        if waiting:
+            update["waiting"] = {
+                **waiting,
+                **{k: moved(waiting.get(k)) for k in ("then", "on_reject", "on_expire")},
+            }
+        if retry:
+            update["retry"] = {**retry, "step": moved(retry.get("step"))}
+        deadline = meta.get("deadline")
+        if deadline:
+            update["deadline"] = {**deadline, "then": moved(deadline.get("then"))}
+        record = {
+            "from": old,
+            "to": flow.version,
+            "steps": dict(sorted(renames.items())),
+            "by": actor,
+            "reason": reason,
+        }
+        info = self._operator_checkpoint(
+            run_id,
+            "operator:upgrade",
+            actor,
+            reason,
+            next_step=moved(nxt),
+            meta_update={**update, "upgraded": [*list(meta.get("upgraded") or []), record]},
+            log_extra={"from": old, "to": flow.version, "steps": record["steps"]},
+            parent=snap.info.seq,
+        )
+        # In the run's audit chain: hash-chained and sealed with the run's other events.
+        identity = EffectIdentity(
+            tenant=flow.tenant,
+            run_id=run_id,
+            step_id=f"operator:upgrade#{info.seq}",
+            step_visit=0,
+            effect="operator.upgrade@1",
+            ordinal=0,
+        )
+        self.ledger.perform(
+            identity,
+            record,
+            lambda claim: record,
+            provider_class=ProviderClass.QUERYABLE,
+        )
+        self.store.update_run(run_id, code_version=flow.version, expect_head=info.seq)
+        self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
+        return self.store.get_run(run_id)
+
     def note(self, run_id: str, handoff: Handoff) -> Run:
         """Replace the run's handoff note (the step that runs next reads it, and keeps it
         in its checkpoint: :meth:`notes`)."""
@@ -563,6 +734,7 @@ class Operator:
         expect: Callable[[Run], None] | None = None,
         parent: int | None = None,
         attempts: int = 1,
+        log_extra: dict[str, Any] | None = None,
     ) -> CheckpointInfo:
         """Write an operator's checkpoint on top of the run's head as read together with
         the run row (``expect`` checks that row; ``parent`` pins the head the caller
@@ -590,6 +762,7 @@ class Operator:
             if set_channel is not None:
                 entry["channel"] = set_channel[0]
                 state[set_channel[0]] = set_channel[1]
+            entry.update(log_extra or {})
             log.append(entry)
             meta["operator_log"] = log
             if status is RunStatus.RUNNING:
@@ -619,6 +792,13 @@ class Operator:
                 if attempt == attempts:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _at_position(step_id: str | None, at: str) -> bool:
+    """Whether an effect's step id sits at step visit ``at`` (``name#visit``): the visit
+    itself, or a branch, a ``parallel`` call or a memo of it."""
+    sid = step_id or ""
+    return sid == at or (sid.startswith(at) and sid[len(at)] in "/.:")
 
 
 def _both(first: Callable[[Any], Any], second: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -78,6 +78,7 @@ from .errors import (
     FlowNotRegistered,
     ForkDiverged,
     StepTimedOut,
+    VersionNotServed,
 )
 from .flow import (
     End,
@@ -367,7 +368,7 @@ class Runtime:
         run, snap = self.store.load_run(run_id)
         if run.status in ENDED or snap is None:
             return False
-        flow = self._flow(run_id, run.flow)
+        flow = self._flow(run_id, run.flow, run.code_version)
         mig = flow.migrations
         if mig is not None and snap.info.schema_version != mig.current:
             try:
@@ -724,8 +725,8 @@ class Runtime:
         lost: set[str] = set()
         for r in self.ledger.effects(run_id=key_run):
             name, _, rest = (r.step_id or "").partition("#")
-            if not name or name in flow.steps:
-                continue
+            if not name or name in flow.steps or ":" in name:
+                continue  # (an operator's record, ``operator:upgrade#N``, is no step)
             digits = _VISIT.match(rest)
             if digits is None or int(digits.group()) >= int(visits.get(name, 0)):
                 lost.add(name)
@@ -1038,8 +1039,23 @@ class Runtime:
                 self.waits.cancel_open(run.run_id, actor=self.owner, reason="the run ended")
         return True
 
-    def _flow(self, run_id: str, name: str) -> Flow:
+    def _flow(self, run_id: str, name: str, version: str | None = None) -> Flow:
+        """The flow ``name``; with ``version`` (the run's), only if it drives runs of it.
+
+        Raises:
+            FlowNotRegistered: No such flow here.
+            VersionNotServed: The flow does not serve the run's version.
+        """
         try:
-            return self.flows[name]
+            flow = self.flows[name]
         except KeyError:
             raise FlowNotRegistered(run_id, name) from None
+        if version is not None and not flow.drives(version):
+            raise VersionNotServed(run_id, name, version, flow.served)
+        return flow
+
+    @property
+    def served(self) -> dict[str, list[str]]:
+        """The flow versions this runtime drives, by flow name (what a worker claims and
+        announces)."""
+        return {name: sorted(f.served) for name, f in sorted(self.flows.items())}

@@ -46,6 +46,7 @@ import logging
 import shlex
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
@@ -66,6 +67,7 @@ from onceonly.checkpoint import (
 from onceonly.checkpoint.waits import NOTIFY_CHANNEL
 from onceonly.ledger import LedgerUnavailable
 
+from .registry import WorkerRegistry
 from .runtime import META, Runtime
 
 __all__ = ["Worker", "WorkerStats"]
@@ -109,6 +111,10 @@ class Worker:
         self._stop = threading.Event()
         self._failures = 0  # database failures in a row
         self._recover = False  # the ledger starts again from disk before acting again
+        # how often the worker refreshes its row in the registry (oo_workers)
+        self.beat_s = max(1.0, min(runtime.lease_s / 3, 30.0))
+        self._registry: WorkerRegistry | None = None
+        self._beat_at = 0.0
 
     def stop(self) -> None:
         """Drain: finish the current step, release the run, return from :meth:`run`."""
@@ -147,12 +153,60 @@ class Worker:
         log.info(
             "worker %s: claiming runs of %s (lease %.1f s, poll %.1f s, batch %d)",
             rt.owner,
-            ", ".join(sorted(rt.flows)) or "no flow",
+            ", ".join(
+                f"{n} version{'s' if len(v) > 1 else ''} {', '.join(v)}"
+                for n, v in rt.served.items()
+            )
+            or "no flow",
             rt.lease_s,
             self.poll_s,
             self.batch,
-            extra={"event": "worker_started", "owner": rt.owner, "flows": sorted(rt.flows)},
+            extra={
+                "event": "worker_started",
+                "owner": rt.owner,
+                "flows": sorted(rt.flows),
+                "served": rt.served,
+            },
         )
+        try:
+            self._serve(until_idle, max_runs)
+        finally:
+            if self._registry is not None:
+                with contextlib.suppress(OnceOnlyError):
+                    self._registry.leave(rt.owner)
+        return self.stats
+
+    def _announce(self) -> None:
+        """Say in the registry which flow versions this worker serves, and refresh that
+        while it runs (what ``onceonly runs list --unserved`` reads)."""
+        now = time.monotonic()
+        if now < self._beat_at:
+            return
+        rt = self.runtime
+        try:
+            if self._registry is None:
+                self._registry = WorkerRegistry(rt.store, clock=rt.clock)
+                self._registry.announce(rt.owner, rt.served, beat_s=self.beat_s)
+            elif not self._registry.beat(rt.owner):
+                self._registry.announce(rt.owner, rt.served, beat_s=self.beat_s)
+        except OnceOnlyError as exc:
+            if is_transient(exc):
+                raise  # an outage: ridden out like a failed claim round
+            # The registry is for operators, not for acting: a worker that cannot write
+            # it (a role that may not create its table, a newer schema) still drives runs.
+            log.warning(
+                "worker %s cannot announce itself in the worker registry (%s): `onceonly "
+                "runs list --unserved` will not count it; run `onceonly migrate`",
+                rt.owner,
+                exc,
+                extra={"event": "registry_unavailable", "owner": rt.owner},
+            )
+            self._beat_at = float("inf")
+            return
+        self._beat_at = now + self.beat_s
+
+    def _serve(self, until_idle: bool, max_runs: int | None) -> None:
+        rt = self.runtime
         with contextlib.closing(_Listener(rt.store, self._stop)) as listener:
             while not self.stopping:
                 if max_runs is not None and self.stats.runs_driven >= max_runs:
@@ -164,8 +218,9 @@ class Worker:
                             rt.ledger.recover()
                             self._recover = False
                             log.info("the database answers again: carrying on from disk")
+                        self._announce()
                         ids = rt.waits.claim_ready(
-                            rt.owner, rt.lease_s, limit=self.batch, flows=list(rt.flows)
+                            rt.owner, rt.lease_s, limit=self.batch, flows=rt.served
                         )
                 except OnceOnlyError as exc:
                     if not is_transient(exc):
@@ -188,7 +243,6 @@ class Worker:
                         self._release(rid)
                         continue
                     self._drive(rid)
-        return self.stats
 
     def _drive(self, run_id: str) -> None:
         rt = self.runtime

@@ -262,7 +262,10 @@ def build_flows(spec: FlowSpec, provider: Provider) -> list[Flow]:
     """One flow per tenant (the same steps; each tenant's effect keys are its own)."""
     flows = []
     for tenant in TENANTS:
-        flow = Flow(flow_name(tenant), version=str(spec.version), tenant=tenant)
+        # Every deploy of the model drives the runs its predecessors started (a run stays
+        # on its version: the new code declares that it serves the older ones).
+        older = tuple(str(v) for v in range(1, spec.version))
+        flow = Flow(flow_name(tenant), version=str(spec.version), tenant=tenant, serves=older)
         names = [s.name for s in spec.steps]
         for i, s in enumerate(spec.steps):
             nxt = names[i + 1] if i + 1 < len(names) else None

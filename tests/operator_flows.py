@@ -133,9 +133,17 @@ FLOWS = [PUBLISH, REPAIR, LEASE, PATIENT, IMPATIENT, DEADLINED]
 
 # The next release, as ``onceonly runs check`` sees it: publish's ``rejected`` step is
 # renamed ``declined``, which strands a run waiting for its approval (its rejection path).
-PUBLISH_V2 = Flow("publish", version="2")
+PUBLISH_V2 = Flow("publish", version="2", serves=("1",))
 PUBLISH_V2.step(name="draft", start=True)(draft)
 PUBLISH_V2.step(name="send")(send)
 PUBLISH_V2.step(name="finish")(finish)
 PUBLISH_V2.step(name="declined")(rejected)
 NEXT_RELEASE = [PUBLISH_V2, REPAIR, LEASE, PATIENT, IMPATIENT, DEADLINED]
+
+# A release that serves only its own version and maps version 1's runs onto it, for
+# ``onceonly runs upgrade``.
+PUBLISH_V3 = Flow("publish", version="3", upgrades={"1": {"rejected": "declined"}})
+PUBLISH_V3.step(name="draft", start=True)(draft)
+PUBLISH_V3.step(name="send")(send)
+PUBLISH_V3.step(name="finish")(finish)
+PUBLISH_V3.step(name="declined")(rejected)

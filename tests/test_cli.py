@@ -112,6 +112,7 @@ def test_runs_list_json(url: str) -> None:
         "waiting_on": [],
         "lease_owner": None,
         "lease_expires_at": None,
+        "code_version": "0",
     }
     assert (by_id[ids["b"]]["status"], by_id[ids["b"]]["next_step"]) == ("waiting", "charge")
     assert by_id[ids["b"]]["head_seq"] == 0

@@ -50,6 +50,7 @@ from onceonly.ledger import (
     LeaseLost,
     Ledger,
 )
+from onceonly.registry import WorkerRegistry
 from onceonly.runtime import Runtime
 from tests.ledger_support import K1, K2, Clock, Ledgers
 from tests.operator_flows import FLOWS, deliveries
@@ -200,11 +201,51 @@ def test_runs_check_names_the_runs_a_deploy_would_strand(env: Env) -> None:
             "step": "rejected",
             "where": "on rejection of wait 'send'",
             "code_version": "1",
+            "served": True,
         }
     ]
     bad = env.cli("runs", "check", "--flows", "no_such_module:X", ok=False)
     assert bad.exit_code != 0
     assert "no_such_module" in str(bad.exception)  # main() prints it as "error: ..."
+    # a release that serves only its own version lists the run apart, and passes
+    other = env.cli("runs", "check", "--flows", "tests.operator_flows:PUBLISH_V3")
+    assert "no run would be stranded" in other.output
+    (row,) = [line.split() for line in other.output.splitlines() if "r-wait" in line]
+    assert row == ["r-wait", "publish", "waiting", "1"]
+
+
+def test_runs_upgrade_and_the_runs_no_worker_serves(env: Env) -> None:
+    env.publish("r-wait")
+    assert "no worker has announced itself" in env.cli("workers").output
+    nobody = env.cli("runs", "list", "--unserved", ok=False)
+    assert nobody.exit_code == 1
+    assert "r-wait" in nobody.output
+    registry = WorkerRegistry(env.store)
+    registry.announce("w-old", {"publish": ["1"]}, beat_s=30)
+    assert env.json("runs", "list", "--unserved") == []
+    (worker,) = env.json("workers")
+    assert (worker["owner"], worker["served"], worker["live"]) == (
+        "w-old",
+        {"publish": ["1"]},
+        True,
+    )
+    flows = "tests.operator_flows:PUBLISH_V3"
+    wrong = env.cli(
+        "runs", "upgrade", "r-wait", "--to", "9", "--flows", flows, "--reason", "x", ok=False
+    )
+    assert wrong.exit_code != 0
+    assert "no version '9'" in str(wrong.exception)
+    up = env.cli(
+        "runs", "upgrade", "r-wait", "--to", "3", "--flows", flows, "--reason", "retire v1",
+        "--as", "alice",
+    )  # fmt: skip
+    assert "upgraded r-wait from version 1 to 3 (by alice)" in up.output
+    assert env.store.get_run("r-wait").code_version == "3"
+    assert env.json("runs", "show", "r-wait")["waiting"]["on_reject"] == "declined"
+    # the version 1 worker no longer serves it
+    left = env.cli("runs", "list", "--unserved", "--json", ok=False)
+    assert left.exit_code == 1
+    assert [r["run_id"] for r in json.loads(left.stdout)] == ["r-wait"]
 
 
 # -- approvals ------------------------------------------------------------------------------

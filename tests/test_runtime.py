@@ -413,7 +413,7 @@ def test_a_resumed_step_whose_code_changed_fails_before_acting(
         env.runtime(old).drive(rid)
     assert len(env.provider.deliveries) == 2
 
-    new = Flow("pay", version="2")
+    new = Flow("pay", version="2", serves=("1",))  # a deploy that drives the old runs
     change = _divergent(variant, env)
 
     @new.step(start=True, name="act")
@@ -1013,7 +1013,12 @@ def test_state_saved_by_older_code_is_migrated_on_resume(env: Env) -> None:
     def to_v2(state: dict[str, Any]) -> dict[str, Any]:
         return {**state, "amount": {"value": state["amount"], "currency": "EUR"}}
 
-    v2 = Flow("quote", version="2", migrations=StateMigrations(current=2, upgrades={1: to_v2}))
+    v2 = Flow(
+        "quote",
+        version="2",
+        serves=("1",),
+        migrations=StateMigrations(current=2, upgrades={1: to_v2}),
+    )
 
     @v2.step(name="send")
     def send_v2(ctx: StepContext) -> Transition:
@@ -1263,7 +1268,7 @@ def test_a_step_knows_the_version_its_run_was_started_under(env: Env) -> None:
     seen: list[tuple[str, str]] = []
 
     def build(version: str) -> Flow:
-        flow = Flow("versioned", version=version)
+        flow = Flow("versioned", version=version, serves=("1",))
 
         @flow.step(start=True)
         def ask(ctx: StepContext) -> Transition:

@@ -75,19 +75,75 @@ def demo_cmd(db: str | None, crash_at: str, seed: int | None) -> None:
 @click.option("--sql", is_flag=True, help="Print the SQL instead of running it.")
 @click.option("--langgraph", is_flag=True, help="Also the LangGraph checkpointer's tables.")
 def migrate_cmd(url: str | None, sql: bool, langgraph: bool) -> None:
-    """Create or upgrade the database schema (checkpoint core and effects ledger; with
-    --langgraph also the LangGraph checkpointer's tables)."""
+    """Create or upgrade the database schema (checkpoint core, effects ledger and the
+    worker registry; with --langgraph also the LangGraph checkpointer's tables)."""
     from onceonly.checkpoint import migrate  # noqa: PLC0415
     from onceonly.ledger import migrate as ledger_migrate  # noqa: PLC0415
+    from onceonly.registry import migrate as registry_migrate  # noqa: PLC0415
 
     target = db_url(url)
     sqlite_path(target, must_exist=False)
     click.echo(migrate(target, sql=sql), nl=not sql)
     click.echo(ledger_migrate(target, sql=sql), nl=not sql)
+    click.echo(registry_migrate(target, sql=sql), nl=not sql)
     if langgraph:
         from onceonly.adapters._langgraph_schema import migrate as langgraph_migrate  # noqa: PLC0415
 
         click.echo(langgraph_migrate(target, sql=sql), nl=not sql)
+
+
+@cli.command("workers")
+@click.option("--url", default=None, help=URL_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def workers_cmd(url: str | None, as_json: bool) -> None:
+    """List the workers that announced themselves: the flow versions each serves, its
+    host and pid, and when it was last seen (gone: not seen for three of its refresh
+    intervals; a worker that stops cleanly removes itself)."""
+    import time  # noqa: PLC0415
+
+    from onceonly.registry import WorkerRegistry  # noqa: PLC0415
+
+    from ._common import ago, emit_json, open_store, print_table  # noqa: PLC0415
+
+    with open_store(url) as store:
+        found = WorkerRegistry(store, create=False).workers()
+    now = time.time()
+    if as_json:
+        emit_json(
+            [
+                {
+                    "owner": w.owner,
+                    "served": {k: list(v) for k, v in w.served.items()},
+                    "host": w.host,
+                    "pid": w.pid,
+                    "started_at": w.started_at,
+                    "seen_at": w.seen_at,
+                    "live": w.live(now),
+                }
+                for w in found
+            ]
+        )
+        return
+    if not found:
+        click.echo("no worker has announced itself")
+        return
+    print_table(
+        "workers",
+        ("owner", "serves", "host", "pid", "seen", "state"),
+        [
+            [
+                w.owner,
+                "\n".join(f"{k} {', '.join(v)}" for k, v in w.served.items()) or "-",
+                w.host,
+                str(w.pid),
+                ago(w.seen_at, now),
+                "live" if w.live(now) else "gone",
+            ]
+            for w in found
+        ],
+        fold=("owner", "serves"),
+        right=("pid",),
+    )
 
 
 cli.add_command(effects)
@@ -175,7 +231,11 @@ def _report_stranded(store: Any, flows: list[Flow]) -> None:
     from onceonly.deploy import stranded  # noqa: PLC0415
 
     log = logging.getLogger("onceonly.worker")
+    other: dict[tuple[str, str], int] = {}
     for s in stranded(store, flows, deep=False):
+        if not s.served:
+            other[s.flow, s.code_version] = other.get((s.flow, s.code_version), 0) + 1
+            continue
         log.warning(
             "run %s (%s, %s) names step %r as its %s, which this code lacks: it cannot go "
             "on until a deploy has the step again or an operator forks it",
@@ -185,6 +245,16 @@ def _report_stranded(store: Any, flows: list[Flow]) -> None:
             s.step,
             s.where,
             extra={"event": "run_stranded", "run_id": s.run_id, "step": s.step},
+        )
+    for (flow, version), n in sorted(other.items()):
+        log.info(
+            "%d run(s) of %s are on version %s, which this worker does not serve: workers of "
+            "that version drive them (`onceonly runs list --unserved` lists those nobody "
+            "serves; `onceonly runs upgrade` moves one)",
+            n,
+            flow,
+            version,
+            extra={"event": "runs_not_served", "flow": flow, "version": version, "runs": n},
         )
 
 

@@ -89,18 +89,43 @@ def runs() -> None:
 )
 @click.option("--flow", default=None, help="Only runs of this flow.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many.")
+@click.option(
+    "--unserved",
+    is_flag=True,
+    help="Only running or waiting runs on a flow version no live worker serves.",
+)
 @json_option
 def runs_list(
-    url: str | None, status: str | None, flow: str | None, limit: int | None, as_json: bool
+    url: str | None,
+    status: str | None,
+    flow: str | None,
+    limit: int | None,
+    unserved: bool,
+    as_json: bool,
 ) -> None:
     """List runs, most recently updated first, with what each waits on and who holds it.
+
+    With --unserved, the runs that wait for a worker nobody runs: running or waiting on
+    a version of their flow that no live worker serves (workers announce the versions
+    they serve; see `onceonly workers`), oldest first, with their version. Exits 1 if
+    there is one.
 
     On a terminal, a table; piped, the same columns in a plain layout (one line a run).
     """
     from onceonly.checkpoint import Waits  # noqa: PLC0415
 
     with open_store(url) as store:
-        rows = store.list_runs(status=status, flow=flow, limit=limit)
+        if unserved:
+            from onceonly.registry import WorkerRegistry  # noqa: PLC0415
+            from onceonly.registry import unserved as unserved_runs  # noqa: PLC0415
+
+            rows = [
+                r
+                for r in unserved_runs(store, WorkerRegistry(store, create=False))
+                if (status is None or r.status.value == status) and flow in (None, r.flow)
+            ][:limit]
+        else:
+            rows = store.list_runs(status=status, flow=flow, limit=limit)
         open_waits: dict[str, list[Wait]] = defaultdict(list)
         for w in Waits(store).find(status="open"):
             open_waits[w.run_id].append(w)
@@ -121,10 +146,13 @@ def runs_list(
                     ],
                     "lease_owner": r.lease_owner,
                     "lease_expires_at": r.lease_expires_at,
+                    "code_version": r.code_version,
                 }
                 for r in rows
             ]
         )
+        if unserved and rows:
+            raise SystemExit(1)
         return
     table: list[list[str]] = []
     for r in rows:
@@ -138,6 +166,7 @@ def runs_list(
             [
                 r.run_id,
                 r.flow,
+                *([r.code_version] if unserved else []),
                 r.status.value,
                 r.next_step or "-",
                 waits,
@@ -147,12 +176,24 @@ def runs_list(
             ]
         )
     print_table(
-        "runs",
-        ("run id", "flow", "status", "next step", "waiting on", "lease", "ckpts", "updated"),
+        "runs on versions no live worker serves" if unserved else "runs",
+        (
+            "run id",
+            "flow",
+            *(["version"] if unserved else []),
+            "status",
+            "next step",
+            "waiting on",
+            "lease",
+            "ckpts",
+            "updated",
+        ),
         table,
-        fold=("flow", "next step", "waiting on", "lease"),
+        fold=("flow", "version", "next step", "waiting on", "lease"),
         right=("ckpts",),
     )
+    if unserved and rows:
+        raise SystemExit(1)
 
 
 def _view(store: Store, run_id: str) -> RunView:
@@ -450,7 +491,9 @@ def runs_check(flows_spec: str, url: str | None, as_json: bool) -> None:
     path. A run naming a step the code lacks (renamed or removed) could not go on past
     it. Exits 1 if a running or waiting run would be stranded (keep the step, or fork
     those runs onto one the code has, first); failed runs are listed (a retry would
-    strand them) but do not fail the check.
+    strand them) but do not fail the check. Runs on versions the code does not serve
+    are listed apart: they stay on their version (workers of it drive them) until
+    `onceonly runs upgrade` moves them.
     """
     from onceonly.deploy import stranded  # noqa: PLC0415
 
@@ -469,20 +512,31 @@ def runs_check(flows_spec: str, url: str | None, as_json: bool) -> None:
                     "step": s.step,
                     "where": s.where,
                     "code_version": s.code_version,
+                    "served": s.served,
                 }
                 for s in found
             ]
         )
-    elif not found:
-        click.echo("no run would be stranded: every step the runs name is in the code")
     else:
-        print_table(
-            "runs this code would strand",
-            ("run id", "flow", "status", "missing step", "named as"),
-            [[s.run_id, s.flow, s.status.value, s.step, s.where] for s in found],
-            fold=("missing step", "named as"),
-        )
-    if any(s.status.value != "failed" for s in found):
+        lacking = [s for s in found if s.served]
+        other = [s for s in found if not s.served]
+        if not lacking:
+            click.echo("no run would be stranded: every step the runs name is in the code")
+        else:
+            print_table(
+                "runs this code would strand",
+                ("run id", "flow", "status", "missing step", "named as"),
+                [[s.run_id, s.flow, s.status.value, s.step, s.where] for s in lacking],
+                fold=("missing step", "named as"),
+            )
+        if other:
+            print_table(
+                "runs on versions this code does not serve (a worker of their version "
+                "drives them, or `onceonly runs upgrade RUN --to VERSION`)",
+                ("run id", "flow", "status", "version"),
+                [[s.run_id, s.flow, s.status.value, s.code_version] for s in other],
+            )
+    if any(s.served and s.status.value != "failed" for s in found):
         raise SystemExit(1)
 
 
@@ -630,6 +684,60 @@ def runs_restart(
         emit_json({"run_id": new, "restarted_from": run_id, "old_status": old, "by": by})
         return
     click.echo(f"restarted {run_id} ({old}) as {new} (by {by}); {line}")
+
+
+@runs.command("upgrade")
+@click.argument("run_id")
+@click.option("--to", "version", required=True, help="The flow version to move RUN to.")
+@click.option(
+    "--flows", "flows_spec", required=True, help="module:attribute of that version's code."
+)
+@click.option("--reason", required=True, help="Why the run moves (kept in its operator log).")
+@actor_option
+@url_option
+@json_option
+def runs_upgrade(
+    run_id: str,
+    version: str,
+    flows_spec: str,
+    reason: str,
+    actor: str | None,
+    url: str | None,
+    as_json: bool,
+) -> None:
+    """Move RUN on purpose to version VERSION of its flow (the --flows code).
+
+    A run stays on the version that started it. This applies the code's state
+    migrations and its step mapping for RUN's version (Flow(upgrades=...)), as an
+    operator checkpoint and a record in the run's audit chain; then workers of VERSION
+    drive it. Refused, with nothing changed, when a step the run names is missing from
+    the code, its state cannot be upgraded, a worker holds it, or its current step acted
+    and would act again under a new name.
+    """
+    from onceonly.checkpoint import ConfigurationError  # noqa: PLC0415
+
+    from . import load_flows  # noqa: PLC0415
+
+    by = identity(actor)
+    with operator(url) as op:
+        name = op.store.get_run(run_id).flow
+        target = [f for f in load_flows(flows_spec) if f.name == name]
+        if not target or target[0].version != version:
+            have = ", ".join(f"{f.name} {f.version}" for f in load_flows(flows_spec))
+            raise ConfigurationError(
+                f"{flows_spec} has no version {version!r} of flow {name!r} (it has: "
+                f"{have or 'no flow'})"
+            )
+        before = op.store.get_run(run_id).code_version
+        run = op.upgrade(run_id, target[0], actor=by, reason=reason)
+        line = _run_line(op, run_id)
+    if as_json:
+        emit_json({"run_id": run_id, "from": before, "to": run.code_version, "by": by})
+        return
+    if before == run.code_version:
+        click.echo(f"{run_id} is on version {version} already; {line}")
+        return
+    click.echo(f"upgraded {run_id} from version {before} to {run.code_version} (by {by}); {line}")
 
 
 @click.command("approve")
