@@ -120,7 +120,13 @@ class WorkerRegistry:
     ) -> None:
         self.absent = False  # no worker has announced itself in this database yet
         try:
-            ensure_schema(store.engine, COMPONENT, RUNTIME_MIGRATIONS, create=create)
+            # Under the store's retries (and a worker's stop): a worker creates the table
+            # inside its claim loop, where a locked or restarting database is ridden out.
+            store.retry.call(
+                "open the worker registry",
+                lambda: ensure_schema(store.engine, COMPONENT, RUNTIME_MIGRATIONS, create=create),
+                idempotent=True,  # a second run finds the table and changes nothing
+            )
         except SchemaVersionError as exc:
             if create or exc.found != 0:
                 raise
