@@ -48,27 +48,51 @@ UNKEYED_LIMITS = (
 
 
 def _encode(parts: Sequence[object]) -> bytes:
-    """Length-prefixed, type-tagged: no two part lists encode alike."""
-    out = bytearray()
+    """Length-prefixed, type-tagged: no two part lists encode alike.
+
+    The common exact types are looked up first (every seal of the acting path goes
+    through here); a subclass (a ``StrEnum``, a ``bool``) takes the general branch,
+    which encodes it exactly as before.
+    """
+    out: list[bytes] = []
+    add = out.append
     for p in parts:
-        if p is None:
-            out += b"N"
-        elif isinstance(p, bool):
-            out += b"T" if p else b"F"
-        elif isinstance(p, int):
+        t = type(p)
+        if t is str:
+            data = p.encode("utf-8")  # type: ignore[attr-defined]
+            add(b"s%d:%s" % (len(data), data))
+        elif t is bytes:
+            add(b"b%d:%s" % (len(p), p))  # type: ignore[arg-type]
+        elif p is None:
+            add(b"N")
+        elif t is float:
+            add(b"f" + _DOUBLE(p))
+        elif t is int:
             data = str(p).encode("ascii")
-            out += b"i%d:%s" % (len(data), data)
-        elif isinstance(p, float):
-            out += b"f" + struct.pack(">d", p)
-        elif isinstance(p, str):
-            data = p.encode("utf-8")
-            out += b"s%d:%s" % (len(data), data)
-        elif isinstance(p, bytes | bytearray | memoryview):
-            data = bytes(p)
-            out += b"b%d:%s" % (len(data), data)
+            add(b"i%d:%s" % (len(data), data))
         else:
-            raise TypeError(f"seal parts are str, int, float, bytes or None, not {type(p)}")
-    return bytes(out)
+            add(_encode_other(p))
+    return b"".join(out)
+
+
+_DOUBLE = struct.Struct(">d").pack
+
+
+def _encode_other(p: object) -> bytes:
+    if isinstance(p, bool):
+        return b"T" if p else b"F"
+    if isinstance(p, int):
+        data = str(p).encode("ascii")
+        return b"i%d:%s" % (len(data), data)
+    if isinstance(p, float):
+        return b"f" + _DOUBLE(p)
+    if isinstance(p, str):
+        data = p.encode("utf-8")
+        return b"s%d:%s" % (len(data), data)
+    if isinstance(p, bytes | bytearray | memoryview):
+        data = bytes(p)
+        return b"b%d:%s" % (len(data), data)
+    raise TypeError(f"seal parts are str, int, float, bytes or None, not {type(p)}")
 
 
 @dataclass(frozen=True, repr=False)

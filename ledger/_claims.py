@@ -218,7 +218,8 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
                 [row[c] for c in COLUMNS],
             )
             if cur.rowcount == 1:
-                self._append(cur, row, "claimed", self.owner, "", digest=parts[2])
+                appended = self._append(cur, row, "claimed", self.owner, "", digest=parts[2])
+                self._remember_mine(row, appended)
                 return _Outcome("claim", row, self._claim_of(row), new_cipher)
             # Lost an insert race (PostgreSQL): read the winner's row under lock.
             cur.execute(row_and_last_sql(f"r.key_id = {q}", lock=self._pg), (kid,))

@@ -56,6 +56,11 @@ class LedgerState:
     _terminal: dict[str, Row]  # finished rows replayed from memory, by key id
     _prefetched: set[str]  # runs whose finished effects were loaded
     _live: set[tuple[str, int]]  # claims this object handed out, open
+    # key id -> (the row as this process sealed it, its event as appended): a read
+    # that finds exactly these needs no second verification (see _check_row)
+    _mine: dict[str, tuple[tuple[Any, ...], tuple[Any, ...]]]
+    # chain -> (seq, hash, seal) of the head this process sealed last
+    _head_seals: dict[str, tuple[int, bytes, bytes]]
     _poisoned: BaseException | None
     _pool: concurrent.futures.ThreadPoolExecutor | None
     _behind: StoreRolledBack | None

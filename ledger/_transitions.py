@@ -203,7 +203,7 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
             if found is None:
                 raise UnknownEffect(claim.key_id)
             row, last = split_row(found)
-            self._check_row(cur, row, last)
+            self._check_row(cur, row, last, mine=self._mine.pop(claim.key_id, None))
             if int(row["epoch"]) == claim.epoch and row["status"] == EffectStatus.CLAIMED.value:
                 moved = self._transition(
                     cur,
@@ -328,7 +328,9 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         )
         if cur.rowcount != 1:
             return None
-        self._append(cur, new, event, actor, detail, digest=parts[2])
+        appended = self._append(cur, new, event, actor, detail, digest=parts[2])
+        if new["status"] == EffectStatus.CLAIMED.value:
+            self._remember_mine(new, appended)
         return new
 
     def _append(
@@ -341,9 +343,9 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         *,
         epoch: int | None = None,
         digest: Any = None,
-    ) -> None:
+    ) -> tuple[Any, ...]:
         """Append a sealed event to the row's chain, linked to the chain's sealed head,
-        and advance the head.
+        and advance the head; returns the event as stored (``EVENT_COLS`` and ``mac``).
 
         The event records the row's state (status, digest); ``epoch`` overrides the
         event's epoch (a refused late outcome names the stale epoch it came from);
@@ -418,7 +420,7 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
                 known = self._verified.get(chain)
                 if known is not None and known[0] == head[0]:
                     self._verified[chain] = (seq, known[1])
-                return
+                return (*values, mac)
             # A stale cached head or a concurrent appender: re-read and retry.
             missed = head if fresh else None
             head = None
@@ -447,7 +449,9 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
                 f"WHERE chain = {q} AND seq = {q} AND hash = {q}",
                 (seq, h, seal, chain, old[0], old[1]),
             )
+        self._head_seals[chain] = (seq, h, seal)
         if cur.rowcount != 1:
+            self._head_seals.pop(chain, None)
             raise CorruptRecord(
                 f"audit chain {chain!r}: its sealed head is not its last event (events or "
                 f"the head deleted); nothing is acted on. Run `onceonly audit verify`",

@@ -116,6 +116,8 @@ class Ledger(ReconcileMixin, QueryMixin):
         self._poisoned: BaseException | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._live: set[tuple[str, int]] = set()  # claims this object handed out, open
+        self._mine: dict[str, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
+        self._head_seals: dict[str, tuple[int, bytes, bytes]] = {}
         ensure_schema(store.engine, "ledger", _schema.LEDGER_MIGRATIONS, create=create)
         # The store seals (and checks) its runs, checkpoints and waits with this keyring;
         # the ledger seals its rows, events and chain heads with the same keys.
@@ -266,6 +268,8 @@ class Ledger(ReconcileMixin, QueryMixin):
         self._terminal.clear()
         self._prefetched.clear()
         self._live.clear()
+        self._mine.clear()
+        self._head_seals.clear()
         self._verified.clear()
         self._poisoned = None
 

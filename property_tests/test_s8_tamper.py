@@ -353,7 +353,7 @@ def test_control_a_ledger_without_its_row_check_is_caught(
 ) -> None:
     b = Bench(f"sqlite:///{tmp_path / 'control.db'}", tmp_path)
     try:
-        monkeypatch.setattr(Ledger, "_check_row", lambda self, cur, row, *last: None)
+        monkeypatch.setattr(Ledger, "_check_row", lambda self, cur, row, *last, **mine: None)
         monkeypatch.setattr(Ledger, "_check_absent", lambda self, cur, chain, ids, *last: None)
         monkeypatch.setattr(Ledger, "_audited_rows", lambda self, cur, rows: rows)
         out = b.judge(

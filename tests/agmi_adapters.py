@@ -449,7 +449,7 @@ class EffectsPostgres(EffectsSqlite):
 class _UncheckedLedger(Ledger):
     """A ledger whose read check is switched off: the planted bug of the positive control."""
 
-    def _check_row(self, cur: Any, row: Any, last: Any = ()) -> None:
+    def _check_row(self, cur: Any, row: Any, last: Any = (), *, mine: Any = None) -> None:
         return None
 
 

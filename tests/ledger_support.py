@@ -95,13 +95,14 @@ class Ledgers:
         self._stores.append(s)
         return s
 
-    def on(self, store: Store, **kwargs: Any) -> Ledger:
-        """A ledger on an existing store (default: K1, 30 s leases, never wait)."""
+    def on(self, store: Store, *, cls: type[Ledger] = Ledger, **kwargs: Any) -> Ledger:
+        """A ledger (of class ``cls``) on an existing store (default: K1, 30 s leases,
+        never wait)."""
         kwargs.setdefault("clock", self.clock)
         kwargs.setdefault("in_flight", InFlightPolicy(wait_s=0))
         kwargs.setdefault("lease_s", 30.0)
         ring = kwargs.pop("keyring", None) or keyring()
-        led = Ledger(store, ring, **kwargs)
+        led = cls(store, ring, **kwargs)
         self._ledgers.append(led)
         return led
 
