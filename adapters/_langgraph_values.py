@@ -14,11 +14,10 @@ Imports nothing from LangGraph; the serde is passed in.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from onceonly.checkpoint import Codec, CodecError, CorruptRecord
+from onceonly.checkpoint import Codec, CodecError, _delta
 
 __all__ = [
     "SERDE_VALUE_NAME",
@@ -101,26 +100,16 @@ def unpack(v: Any, serde: Serde) -> Any:
 
 
 def seal(raw: bytes) -> bytes:
-    """Stored form of canonical bytes: zlib-compressed when that saves at least 10 %."""
-    if len(raw) >= 256:
-        z = zlib.compress(raw, 1)
-        if len(z) < len(raw) * 0.9:
-            return b"z" + z
-    return b"j" + raw
+    """Stored form of canonical bytes, as the checkpoint core stores its bodies and
+    blobs (zstd-compressed when that saves at least 10 %; see ``_delta.pack``)."""
+    return _delta.pack(raw)
 
 
 def unseal(stored: bytes) -> bytes:
-    """Canonical bytes from their stored form.
+    """Canonical bytes from their stored form (zstd, the zlib of releases before 0.2,
+    or raw).
 
     Raises:
         CorruptRecord: Unknown header or damaged compressed data.
     """
-    head, body = stored[:1], stored[1:]
-    if head == b"j":
-        return body
-    if head == b"z":
-        try:
-            return zlib.decompress(body)
-        except zlib.error as exc:
-            raise CorruptRecord(f"compressed data is damaged ({exc})") from exc
-    raise CorruptRecord(f"unknown storage header {head!r}")
+    return _delta.unpack(stored)

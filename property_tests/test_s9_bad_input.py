@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from onceonly.checkpoint import Codec, OnceOnlyError, Store
-from onceonly.checkpoint._delta import unpack
+from onceonly.checkpoint._delta import pack, unpack
 from onceonly.cli import cli
 from onceonly.ledger import (
     Claim,
@@ -104,6 +104,13 @@ def test_decoding_arbitrary_bytes_raises_only_typed_errors(data: bytes) -> None:
     only_typed(lambda: CODEC.decode(data))
     only_typed(lambda: CODEC.decode(unpack(data)))
     only_typed(lambda: CODEC.decode(unpack(b"\x01" + zlib.compress(data))))
+    # the stored forms' headers (zlib, zstd) followed by arbitrary, truncated or
+    # extended frames
+    only_typed(lambda: unpack(b"z" + data))
+    only_typed(lambda: unpack(b"Z" + data))
+    frame = pack(data * 8 + b"x" * 300)[1:]
+    only_typed(lambda: unpack(b"Z" + frame[: len(data) % max(len(frame), 1)]))
+    only_typed(lambda: unpack(b"Z" + frame + data[:3]))
 
 
 @given(value=VALUES, cuts=st.lists(st.tuples(st.integers(0, 10**6), st.binary(max_size=3))))
