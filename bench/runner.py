@@ -288,6 +288,9 @@ class Runner:
         return result
 
 
+IO_CALLS = 500  # calls of each W1 I/O profile (counts, not timings: 500 are plenty)
+
+
 def _remove_db(db: Path) -> None:
     for p in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
         p.unlink(missing_ok=True)
@@ -296,7 +299,12 @@ def _remove_db(db: Path) -> None:
 def w1_phase_count(plan: Plan) -> int:
     """How many phases W1 runs (for the progress bar)."""
     per_rep = 2 * len(plan.w1_systems) + len(plan.w1_async_systems)
-    return plan.reps * per_rep + plan.w1_probe_reps * len(plan.w1_systems) + plan.w1_profile
+    return (
+        plan.reps * per_rep
+        + plan.w1_probe_reps * len(plan.w1_systems)
+        + plan.w1_profile
+        + len(plan.w1_systems)  # the I/O profiles
+    )
 
 
 def run_w1(plan: Plan, runner: Runner, progress: Progress, task: Any) -> dict[str, Any]:
@@ -361,7 +369,21 @@ def run_w1(plan: Plan, runner: Runner, progress: Progress, task: Any) -> dict[st
         )
         _remove_db(db)
         progress.advance(task)
+    io: dict[str, Any] = {}
+    for name in plan.w1_systems:
+        # not a timing: what each call makes SQLite do (statements, commits, WAL frames)
+        progress.update(task, description=f"W1 I/O profile of {name}")
+        db = runner.tmp / "w1" / f"io-{name}.db"
+        io[name] = runner.phase(
+            "bench.w1",
+            ["io", "--system", name, "--db", str(db), "--calls", str(min(plan.w1_calls, IO_CALLS))],
+            timeout=PHASE_TIMEOUT_S,
+        )
+        for p in db.parent.glob(f"io-{name}*"):
+            p.unlink(missing_ok=True)
+        progress.advance(task)
     return {
+        "io": io,
         "calls": plan.w1_calls,
         "probe_calls": plan.w1_probe_calls,
         "concurrency": plan.w1_concurrency,

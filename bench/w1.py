@@ -15,6 +15,10 @@
     and a second child resumes the run and counts how many of the 50 it executes again.
 ``python -m bench.w1 profile --system onceonly --db PATH --calls N --out R.json``
     the cold phase under cProfile (not a timing: where the time goes).
+``python -m bench.w1 io --system NAME --db PATH --calls N --out R.json``
+    the cold phase's I/O profile (not a timing): statements, commits, WAL frames and
+    bytes per call, from SQLite's own trace of every connection the system opens; the
+    same phase with no call is subtracted (set-up and schema).
 
 The orchestrator (``python -m bench``) runs these alternating systems, each in a fresh
 process, for every repetition.
@@ -23,6 +27,7 @@ process, for every repetition.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import math
@@ -244,10 +249,107 @@ def profile_phase(name: str, db: Path, calls: int, top: int = 25) -> dict[str, A
     }
 
 
+def _traced_cold(name: str, db: Path, calls: int) -> dict[str, Any]:
+    """Run the cold phase with every SQLite connection traced (statements by their first
+    word) and never checkpointed (``wal_autocheckpoint=0``, so the WAL files only grow:
+    their largest size seen is every frame the phase wrote)."""
+    counts: dict[str, int] = {}
+    wals: dict[str, int] = {}
+    pages: dict[str, int] = {}
+    connect = sqlite3.connect
+
+    def seen(sql: str) -> None:
+        word = sql.lstrip().split(None, 1)[0].upper() if sql.strip() else "?"
+        counts[word] = counts.get(word, 0) + 1
+        for wal, size in list(wals.items()):
+            with contextlib.suppress(OSError):
+                wals[wal] = max(size, os.stat(wal).st_size)
+
+    def traced(database: Any, *args: Any, **kwargs: Any) -> sqlite3.Connection:
+        conn = connect(database, *args, **kwargs)
+        path = str(database)
+        if path.startswith("file:"):
+            path = path[5:].split("?", 1)[0]
+        if path not in (":memory:", ""):
+            wals.setdefault(path + "-wal", 0)
+            pages[path + "-wal"] = int(conn.execute("PRAGMA page_size").fetchone()[0])
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        conn.set_trace_callback(seen)
+        return conn
+
+    sqlite3.connect = traced  # type: ignore[assignment]
+    sqlite3.dbapi2.connect = traced  # type: ignore[assignment]
+    try:
+        systems.get_w1(name).cold(db, calls)
+    finally:
+        sqlite3.connect = connect
+        sqlite3.dbapi2.connect = connect
+    frames = 0
+    written = 0
+    for wal, size in wals.items():
+        page = pages.get(wal, 4096)
+        n = max(size - 32, 0) // (page + 24)  # WAL header, then (frame header + page)s
+        frames += n
+        written += n * (page + 24)
+    return {"statements": counts, "frames": frames, "wal_bytes": written}
+
+
+def io_phase(name: str, db: Path, calls: int) -> dict[str, Any]:
+    """Statements, commits, WAL frames and bytes per call of the cold phase."""
+    empty = db.with_name(db.stem + "-empty" + db.suffix)
+
+    def traced(path: Path, n: int) -> dict[str, Any]:
+        # each in a process of its own (a system may start only once per process)
+        out = path.with_suffix(".io.json")
+        cmd = [sys.executable, "-m", "bench.w1", "io-raw", "--system", name, "--db", str(path)]
+        subprocess.run(
+            [*cmd, "--calls", str(n), "--out", str(out)],
+            check=True,
+            timeout=CHILD_TIMEOUT_S,
+            capture_output=True,
+        )
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+
+    base = traced(empty, 0)
+    full = traced(db, calls)
+    words = sorted(set(base["statements"]) | set(full["statements"]))
+    per_word = {
+        w: (full["statements"].get(w, 0) - base["statements"].get(w, 0)) / calls for w in words
+    }
+    per_word = {w: n for w, n in per_word.items() if n > 0}
+    commits = per_word.get("COMMIT", 0.0) + per_word.get("END", 0.0)
+    frames = (full["frames"] - base["frames"]) / calls
+    wal_bytes = (full["wal_bytes"] - base["wal_bytes"]) / calls
+    return {
+        "system": name,
+        "phase": "io",
+        "calls": calls,
+        "statements_per_call": sum(per_word.values()),
+        "by_word": per_word,
+        "commits_per_call": commits,
+        "frames_per_call": frames,
+        "frames_per_commit": frames / commits if commits else math.nan,
+        "wal_bytes_per_call": wal_bytes,
+        "wal_bytes_per_commit": wal_bytes / commits if commits else math.nan,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.w1", description=__doc__)
     p.add_argument(
-        "phase", choices=["cold", "warm", "async", "probe", "probe-child", "resume", "profile"]
+        "phase",
+        choices=[
+            "cold",
+            "warm",
+            "async",
+            "probe",
+            "probe-child",
+            "resume",
+            "profile",
+            "io",
+            "io-raw",
+        ],
     )
     p.add_argument("--system", required=True, choices=systems.w1_names())
     p.add_argument("--db", required=True, type=Path)
@@ -255,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=CONCURRENCY)
     p.add_argument("--out")
     a = p.parse_args(argv)
-    fresh = a.phase in ("cold", "async", "probe", "probe-child", "profile")
+    fresh = a.phase in ("cold", "async", "probe", "probe-child", "profile", "io", "io-raw")
     if fresh and a.db.exists():
         p.error(f"{a.db} exists; the {a.phase} phase needs a new database")
     if a.phase == "probe-child":
@@ -274,6 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = probe_phase(a.system, a.db, a.calls)
     elif a.phase == "resume":
         result = resume_phase(a.system, a.db, a.calls)
+    elif a.phase == "io":
+        result = io_phase(a.system, a.db, a.calls)
+    elif a.phase == "io-raw":
+        result = _traced_cold(a.system, a.db, a.calls)
+        hard_exit = True  # a system's threads (DBOS's) may outlive the phase
     else:
         result = profile_phase(a.system, a.db, a.calls)
     _util.emit(a.out, result)
