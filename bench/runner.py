@@ -215,14 +215,22 @@ def snapshot_sources(tmp: Path) -> Path:
 
 
 def probe_lazy(src: Path) -> bool:
-    """Whether the copied ``checkpoint`` offers ``Store.load(lazy=...)``."""
+    """Whether the checkpoint core the phases import (``onceonly.checkpoint``, from the
+    phases' working directory) offers ``Store.load(lazy=...)``.
+
+    Raises:
+        RuntimeError: It does not import at all (say so, rather than skip the lazy row).
+    """
     code = (
-        "import inspect, checkpoint; "
+        "import inspect; from onceonly import checkpoint; "
         "print('lazy' in inspect.signature(checkpoint.Store.load).parameters)"
     )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=src, capture_output=True, text=True, check=False
+        [sys.executable, "-c", code], cwd=src, env=env, capture_output=True, text=True, check=False
     )
+    if proc.returncode != 0:
+        raise RuntimeError(f"onceonly.checkpoint does not import: {proc.stderr.strip()[-500:]}")
     return proc.stdout.strip() == "True"
 
 

@@ -258,14 +258,23 @@ def _wait(ctx: StepContext, spec: StepSpec, kind: str, then: str) -> Transition:
     return ctx.sleep(name, 60.0, then=then)
 
 
-def build_flows(spec: FlowSpec, provider: Provider) -> list[Flow]:
-    """One flow per tenant (the same steps; each tenant's effect keys are its own)."""
+def build_flows(
+    spec: FlowSpec, provider: Provider, upgrades: dict[str, dict[str, str]] | None = None
+) -> list[Flow]:
+    """One flow per tenant (the same steps; each tenant's effect keys are its own).
+    ``upgrades``: per older version, its renamed steps (for ``Operator.upgrade``)."""
     flows = []
     for tenant in TENANTS:
         # Every deploy of the model drives the runs its predecessors started (a run stays
         # on its version: the new code declares that it serves the older ones).
         older = tuple(str(v) for v in range(1, spec.version))
-        flow = Flow(flow_name(tenant), version=str(spec.version), tenant=tenant, serves=older)
+        flow = Flow(
+            flow_name(tenant),
+            version=str(spec.version),
+            tenant=tenant,
+            serves=older,
+            upgrades=upgrades,
+        )
         names = [s.name for s in spec.steps]
         for i, s in enumerate(spec.steps):
             nxt = names[i + 1] if i + 1 < len(names) else None

@@ -34,7 +34,7 @@ from onceonly.checkpoint import (
     WaitRefused,
 )
 from onceonly.checkpoint.failpoints import armed
-from onceonly.errors import RunNotResumable
+from onceonly.errors import RunNotResumable, UpgradeRefused
 from onceonly.ledger import InFlightPolicy, Keyring, Ledger, Secret
 from onceonly.operator import Operator
 from onceonly.runtime import META, Runtime
@@ -647,6 +647,57 @@ class RuntimeModel(RuleBasedStateMachine):
     @rule(how=st.sampled_from(DEPLOYS), data=st.data())
     def deploy_again(self, how: str, data: st.DataObject) -> None:
         self.deploy(how, data)
+
+    @precondition(lambda self: bool(self.live()) and len(self.versions) > 1)
+    @rule(data=st.data())
+    def upgrade(self, data: st.DataObject) -> None:
+        """An operator moves a run started under older code onto the deployed version
+        (``onceonly runs upgrade``), its renamed steps mapped."""
+        self.upgrade_run(self._pick(data))
+
+    def _renames(self) -> dict[str, dict[str, str]]:
+        """Per older version, its steps the deployed code renamed (``x`` → ``xr``...)."""
+        names = [s.name for s in self.spec.steps]
+        out: dict[str, dict[str, str]] = {}
+        for v in self.versions:
+            if v.version == self.spec.version:
+                continue
+            renames = {}
+            for s in v.steps:
+                if s.name in names:
+                    continue
+                new = [n for n in names if n.startswith(s.name) and set(n[len(s.name) :]) == {"r"}]
+                if len(new) == 1:
+                    renames[s.name] = new[0]
+            if renames:
+                out[str(v.version)] = renames
+        return out
+
+    def upgrade_run(self, rm: RunModel) -> bool:
+        """Upgrade ``rm`` to the deployed version; whether it moved. A refusal must leave
+        the run as it was (the oracle then sees the same deliveries)."""
+        try:
+            run = self.op_store.get_run(rm.rid)
+        except RunNotFound:
+            rm.gone = True
+            return False
+        if run.code_version == str(self.spec.version) or run.status in ENDED:
+            return False
+        flows = {f.name: f for f in build_flows(self.spec, self.provider, self._renames())}
+        try:
+            self.operator.upgrade(rm.rid, flows[run.flow], actor="ops", reason="s11 upgrade")
+        except UpgradeRefused as exc:
+            self.counts.kinds[f"upgrade-refused:{exc.reason.split(':')[0][:40]}"] += 1
+            after = self.op_store.get_run(rm.rid)
+            assert (after.code_version, after.next_step, after.status) == (
+                run.code_version,
+                run.next_step,
+                run.status,
+            ), "a refused upgrade changed the run"
+            return False
+        rm.refused = False  # a run a rename had stranded goes on under the new name
+        self.counts.kinds["upgrade"] += 1
+        return True
 
     def install(self, new: FlowSpec, how: str = "") -> None:
         if how == "rename_step":

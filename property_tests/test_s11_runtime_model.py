@@ -131,7 +131,7 @@ def test_the_runtime_behaves_like_its_model(db_url: str, report: SuiteReport) ->
         _add(counts)
         print(f"S11 {db_url.split(':', maxsplit=1)[0]}: {counts}", file=sys.stderr)
     # The machine must have exercised what it exists for, in every mode.
-    for kind in ("mode:sync", "mode:async", "mode:exit", "fork", "gc", "approve"):
+    for kind in ("mode:sync", "mode:async", "mode:exit", "fork", "gc", "approve", "upgrade"):
         assert counts.kinds[kind] > 0, (kind, dict(counts.kinds))
     assert counts.crashes > 0
     assert counts.raw > 0
@@ -208,6 +208,58 @@ def test_found_defect_a_fork_after_a_step_rename_does_not_resend(db_url: str) ->
         for proc in procs.values():
             m._close(proc)
         m.teardown()
+
+
+# -- an upgrade after a rename: moves a run that had not acted there, refuses one that had --
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_upgrade_after_a_step_rename_goes_on_or_refuses_never_resends(
+    db_url: str, mode: str, report: SuiteReport
+) -> None:
+    """A deploy renames the step two runs are at: one has not acted in it yet (it waits
+    before it), the other crashed after the step's first effect. The deployed code cannot
+    drive either (the step is missing); ``Operator.upgrade`` with the rename mapped moves
+    the first, which completes with each effect sent once, and refuses the second, which
+    stays as it was (under its new name the step would send again)."""
+    spec = _spec(
+        StepSpec("app0", "approval", ()),
+        StepSpec("pla1", "plain", ("w1", "w2")),
+        LAST,
+    )
+    counts = Counts()
+    m = _machine(db_url, counts, spec)()
+    m.setup(spec)
+    try:
+        waiting = m.begin("acme", mode)
+        m._drive(waiting)  # at its approval, next step pla1
+        acted = m.begin("acme", mode)
+        m._drive(acted)
+        m.decide_open(acted, approve=True)
+        m.crash_at(acted, "ledger.commit.after", 1)  # pla1 sent w1, then the worker died
+        assert m.op_store.get_run(acted.rid).next_step == "pla1"
+        new = m.deployed("rename_step", lambda xs: xs[0])
+        assert new is not None
+        assert [st.name for st in new.steps] == ["app0", "pla1r", "pla9"]
+        m.install(new, "rename_step")
+        m.decide_open(waiting, approve=True)
+        for rm in (waiting, acted):
+            m._drive(rm)
+            assert rm.refused, rm.rid  # the deployed code lacks pla1
+        assert m.upgrade_run(waiting)
+        assert not m.upgrade_run(acted)
+        assert m.op_store.get_run(waiting.rid).next_step == "pla1r"
+        m._drive(waiting)
+        assert m._status(waiting.rid) is RunStatus.COMPLETED
+        assert not m.violations(), m.violations()
+        m.drain()  # the refused one is cancelled; nothing was sent twice
+        assert not m.violations(), m.violations()
+    finally:
+        m.teardown()
+        _add(counts)
+    assert counts.kinds["upgrade"] == 1
+    (refusal,) = [k for k, n in counts.kinds.items() if k.startswith("upgrade-refused") and n]
+    assert "acted" in refusal or "effects" in refusal, refusal  # not "a worker holds it"
 
 
 # -- positive controls: each defect class of issue [7], planted back ------------------------
