@@ -28,6 +28,7 @@ from onceonly.ledger import migrate as ledger_migrate
 from onceonly.registry import migrate as registry_migrate
 from onceonly.runtime import Runtime
 from tests.ledger_support import K1, keyring
+from tests.test_cli_operator import _script
 from tests.test_worker import wait_until
 from tests.version_flows import V1, V2, deliveries
 
@@ -50,15 +51,7 @@ def _env(url: str, name: str) -> dict[str, str]:
 
 
 def _cli(url: str, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [str(ONCEONLY), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=ROOT,
-        env=_env(url, "cli"),
-    )
+    proc = _script(url, *args)
     if ok:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -108,7 +101,7 @@ def url(db_url: str) -> str:
 
 
 @pytest.fixture
-def workers(url: str, tmp_path: Path) -> Iterator[dict[str, _Worker]]:
+def workers(url: str) -> Iterator[dict[str, _Worker]]:
     started: dict[str, _Worker] = {}
     yield started
     for w in started.values():

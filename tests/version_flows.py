@@ -13,25 +13,17 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 from onceonly.adapters import guard
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
+from tests.operator_flows import deliveries  # the same raw outbox lines
 
 __all__ = ["V1", "V2", "deliveries"]
 
 V1 = Flow("ship", version="1")
 V2 = Flow("ship", version="2", upgrades={"1": {"send": "deliver"}})
-
-
-def deliveries(outbox: str | Path) -> list[dict[str, Any]]:
-    """Every raw delivery, in order."""
-    path = Path(outbox)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
 def _deliver(outbox: str, what: str, version: str) -> dict[str, Any]:
