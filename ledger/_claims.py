@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from onceonly.checkpoint.errors import ConfigurationError, StoreError
 from onceonly.checkpoint.failpoints import failpoint
 
-from ._integrity import effect_parts, row_and_last_sql, split_row
+from ._integrity import effect_parts, folded_claim_sql, row_and_last_sql, split_row
 from ._replay import ReplayMixin
 from ._rows import TERMINAL, Row
 from ._schema import COLUMNS
@@ -176,41 +176,20 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
             # so two claimers never deadlock). SQLite writers are serialised already.
             for kid in sorted(ids):
                 cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (kid,))
+        if self._folds and not self._pg:
+            folded = self._fold_claim(
+                cur, identity, candidates, fps, canonical, pclass, window_s, subject, chain, fence
+            )
+            if folded is not None:
+                return folded
         cur.execute(row_and_last_sql(f"r.key_id IN ({marks})", lock=self._pg), ids)
         found = cur.fetchall()
         if not found:
             self._check_fresh(cur, chain, ids)
             check_fence(cur, self.store, fence)
-            sid, kid = candidates[0]
-            new_cipher = self._cipher_in_txn(cur, subject)
-            row: Row = {
-                "key_id": kid,
-                "tenant": identity.tenant,
-                "run_id": identity.run_id,
-                "step_id": identity.step_id,
-                "effect": identity.effect,
-                "fingerprint": fps[sid],
-                "provider_key": self.keyring.provider_key(sid, kid),
-                "provider_class": pclass.value,
-                "window_s": window_s,
-                "status": EffectStatus.CLAIMED.value,
-                "epoch": 1,
-                "lease_owner": self.owner,
-                "lease_expires_at": now + self.lease_s,
-                "attempts": 1,
-                "outcome_class": None,
-                "subject": subject,
-                "secret_id": sid,
-                "chain": chain,
-                "args_ct": Sealer.seal(new_cipher[1], canonical, f"{kid}|args".encode()),
-                "result_ct": None,
-                "error_ct": None,
-                "first_sent_at": now,
-                "created_at": now,
-                "updated_at": now,
-            }
-            parts = effect_parts(row)
-            row["seal"] = self._seal("effects", parts)
+            row, parts, new_cipher = self._fresh_row(
+                cur, identity, candidates[0], fps, canonical, pclass, window_s, subject, chain
+            )
             cols = ", ".join(COLUMNS)
             cur.execute(
                 f"INSERT INTO oo_effects ({cols}) VALUES ({', '.join([q] * len(COLUMNS))}) "
@@ -222,7 +201,7 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
                 self._remember_mine(row, appended)
                 return _Outcome("claim", row, self._claim_of(row), new_cipher)
             # Lost an insert race (PostgreSQL): read the winner's row under lock.
-            cur.execute(row_and_last_sql(f"r.key_id = {q}", lock=self._pg), (kid,))
+            cur.execute(row_and_last_sql(f"r.key_id = {q}", lock=self._pg), (candidates[0][1],))
             found = cur.fetchall()
         row, last = split_row(found[0])
         self._check_row(cur, row, last)
@@ -273,6 +252,96 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
                 return _Outcome("inflight", row)
             return _Outcome("claim", moved, self._claim_of(moved))
         return _Outcome("doubt", row)
+
+    def _fresh_row(
+        self,
+        cur: Any,
+        identity: EffectIdentity,
+        candidate: tuple[str, str],
+        fps: Mapping[str, str],
+        canonical: bytes,
+        pclass: ProviderClass,
+        window_s: float | None,
+        subject: str,
+        chain: str,
+    ) -> tuple[Row, list[object], tuple[str, ChaCha20Poly1305]]:
+        """A new claim's row, sealed (with its seal's parts and the subject's cipher)."""
+        now = self._clock()
+        sid, kid = candidate
+        new_cipher = self._cipher_in_txn(cur, subject)
+        row: Row = {
+            "key_id": kid,
+            "tenant": identity.tenant,
+            "run_id": identity.run_id,
+            "step_id": identity.step_id,
+            "effect": identity.effect,
+            "fingerprint": fps[sid],
+            "provider_key": self.keyring.provider_key(sid, kid),
+            "provider_class": pclass.value,
+            "window_s": window_s,
+            "status": EffectStatus.CLAIMED.value,
+            "epoch": 1,
+            "lease_owner": self.owner,
+            "lease_expires_at": now + self.lease_s,
+            "attempts": 1,
+            "outcome_class": None,
+            "subject": subject,
+            "secret_id": sid,
+            "chain": chain,
+            "args_ct": Sealer.seal(new_cipher[1], canonical, f"{kid}|args".encode()),
+            "result_ct": None,
+            "error_ct": None,
+            "first_sent_at": now,
+            "created_at": now,
+            "updated_at": now,
+        }
+        parts = effect_parts(row)
+        row["seal"] = self._seal("effects", parts)
+        return row, parts, new_cipher
+
+    def _fold_claim(
+        self,
+        cur: Any,
+        identity: EffectIdentity,
+        candidates: list[tuple[str, str]],
+        fps: Mapping[str, str],
+        canonical: bytes,
+        pclass: ProviderClass,
+        window_s: float | None,
+        subject: str,
+        chain: str,
+        fence: RunFence | None,
+    ) -> _Outcome | None:
+        """A fresh claim in one insert (SQLite), when this process sealed the chain's head
+        last and counted the chain whole up to it: the checks the full path reads first
+        (no row, no event of the key, the head as sealed: :func:`folded_claim_sql`) are
+        the insert's condition. None (nothing written): the full path decides, reading
+        and verifying everything, with the same verdict as if this had not been tried."""
+        sealed = self._head_seals.get(chain)
+        if sealed is None or self._heads.get(chain) != sealed[:2]:
+            return None
+        if self._chain_mark(chain)[0] != sealed[0]:
+            return None  # not counted whole up to this head, or a full recount is due
+        if self.witness is not None and sealed[0] < self.witness.heads.get(chain, 0):
+            return None  # behind the witness: the full path says so
+        if self._sealer.cached(subject) is None:
+            return None  # the data key is read (or refused: erased) after the row is
+        row, parts, new_cipher = self._fresh_row(
+            cur, identity, candidates[0], fps, canonical, pclass, window_s, subject, chain
+        )
+        ids = [kid for _, kid in candidates]
+        cur.execute(
+            folded_claim_sql(self._q, len(ids)),
+            [*(row[c] for c in COLUMNS), *ids, chain, *ids, chain, *sealed],
+        )
+        if cur.rowcount != 1:
+            return None
+        # after the chain's checks, as on the full path (a fenced claim raises, and the
+        # transaction's savepoint takes the insert back)
+        check_fence(cur, self.store, fence)
+        appended = self._append(cur, row, "claimed", self.owner, "", digest=parts[2])
+        self._remember_mine(row, appended)
+        return _Outcome("claim", row, self._claim_of(row), new_cipher)
 
     def _reclaim(
         self,

@@ -175,6 +175,47 @@ def row_and_last_sql(where: str, *, lock: bool) -> str:
     )
 
 
+@functools.lru_cache(maxsize=64)  # built once per shape, not per call
+def folded_claim_sql(q: str, ids: int) -> str:
+    """A fresh claim's insert with its checks folded in (SQLite): the row is inserted
+    only if no row and no audit event exists for any of the ``ids`` candidate key ids
+    and the chain's head is exactly the one this process sealed last. Parameters: the
+    row (``COLUMNS`` order), then ``(*key_ids, chain, *key_ids, chain, seq, hash,
+    seal)``. It inserts nothing when any of that does not hold, and the claim then
+    takes the full path."""
+    marks = ", ".join([q] * ids)
+    return (
+        f"INSERT INTO oo_effects ({', '.join(COLUMNS)}) SELECT {', '.join([q] * len(COLUMNS))} "
+        f"WHERE NOT EXISTS (SELECT 1 FROM oo_effects WHERE key_id IN ({marks})) "
+        f"AND NOT EXISTS (SELECT 1 FROM oo_audit WHERE chain = {q} AND key_id IN ({marks})) "
+        f"AND EXISTS (SELECT 1 FROM oo_chain_heads WHERE chain = {q} AND seq = {q} "
+        f"AND hash = {q} AND seal = {q}) ON CONFLICT DO NOTHING"
+    )
+
+
+_EVENT_NAMES = [c.strip() for c in EVENT_COLS.split(",")] + ["mac"]
+
+
+@functools.lru_cache(maxsize=64)  # built once per shape, not per call
+def folded_transition_sql(q: str, changed: tuple[str, ...]) -> str:
+    """An outcome's compare-and-set with the check of :meth:`IntegrityMixin._check_row`
+    (``mine``) folded in (SQLite): the row is updated only if every column is exactly as
+    this process sealed it, the key's event as it appended it is there, every field and
+    MAC alike, and no later event of the key exists (it is the key's last). Parameters:
+    the new values of ``changed`` and ``updated_at``, then the row as sealed
+    (``COLUMNS`` order), then the event as appended (``EVENT_COLS`` and ``mac``), then
+    ``(chain, key_id, seq)``."""
+    sets = ", ".join(f"{c} = {q}" for c in (*changed, "updated_at"))
+    # = on the key columns (the lookups), IS on the rest (NULL equals NULL)
+    row = " AND ".join(f"{c} {'=' if c == 'key_id' else 'IS'} {q}" for c in COLUMNS)
+    event = " AND ".join(f"{c} {'=' if c in ('chain', 'seq') else 'IS'} {q}" for c in _EVENT_NAMES)
+    return (
+        f"UPDATE oo_effects SET {sets} WHERE {row} AND EXISTS (SELECT 1 FROM oo_audit WHERE "
+        f"{event}) AND NOT EXISTS (SELECT 1 FROM oo_audit WHERE chain = {q} AND key_id = {q} "
+        f"AND seq > {q})"
+    )
+
+
 def split_row(found: Sequence[Any]) -> tuple[Row, Sequence[Any] | None]:
     """A :func:`row_and_last_sql` result: the row, and its last event (None: none;
     ``()``: not read with the row)."""

@@ -61,6 +61,10 @@ class LedgerState:
     _mine: dict[str, tuple[tuple[Any, ...], tuple[Any, ...]]]
     # chain -> (seq, hash, seal) of the head this process sealed last
     _head_seals: dict[str, tuple[int, bytes, bytes]]
+    #: Fold the checks into the writing statements where this process's memory allows
+    #: (SQLite; a statement that finds anything else writes nothing and the full path
+    #: decides): see ``ClaimMixin._fold_claim`` and ``TransitionMixin._fold_outcome``.
+    _folds: bool = True
     _poisoned: BaseException | None
     _pool: concurrent.futures.ThreadPoolExecutor | None
     _behind: StoreRolledBack | None

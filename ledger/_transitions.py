@@ -21,6 +21,7 @@ from ._integrity import (
     IntegrityMixin,
     effect_parts,
     event_parts,
+    folded_transition_sql,
     hash_of,
     head_of,
     head_parts,
@@ -31,6 +32,7 @@ from ._integrity import (
 )
 from ._privacy import PrivacyMixin
 from ._rows import Row, effect_record
+from ._schema import COLUMNS
 from .errors import LEDGER_HINT, InvalidTransition, LeaseLost, UnknownEffect
 from .records import Claim, EffectRecord, EffectStatus, OutcomeClass
 
@@ -198,12 +200,17 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         """
 
         def txn(cur: Any) -> tuple[Row, LeaseLost | None]:
+            mine = self._mine.pop(claim.key_id, None)
+            if mine is not None and self._folds and not self._pg:
+                folded = self._fold_outcome(cur, mine, claim, event, changes, detail)
+                if folded is not None:
+                    return folded, None
             cur.execute(row_and_last_sql(f"r.key_id = {self._q}", lock=self._pg), (claim.key_id,))
             found = cur.fetchone()
             if found is None:
                 raise UnknownEffect(claim.key_id)
             row, last = split_row(found)
-            self._check_row(cur, row, last, mine=self._mine.pop(claim.key_id, None))
+            self._check_row(cur, row, last, mine=mine)
             if int(row["epoch"]) == claim.epoch and row["status"] == EffectStatus.CLAIMED.value:
                 moved = self._transition(
                     cur,
@@ -253,6 +260,46 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
             raise lost
         failpoint(_RECORD_POINTS[event][1])
         return row
+
+    def _fold_outcome(
+        self,
+        cur: Any,
+        mine: tuple[tuple[Any, ...], tuple[Any, ...]],
+        claim: Claim,
+        event: str,
+        changes: Row,
+        detail: str,
+    ) -> Row | None:
+        """An outcome's compare-and-set with its row check folded in (SQLite), for a claim
+        this process sealed: the update applies only to the row and last event exactly as
+        this process wrote them (:func:`folded_transition_sql`), which is what
+        :meth:`_check_row` with ``mine`` accepts without verifying again. None (nothing
+        written): the full path reads, verifies and decides."""
+        sealed, appended = mine
+        row = dict(zip(COLUMNS, sealed, strict=True))
+        if int(row["epoch"]) != claim.epoch or row["status"] != EffectStatus.CLAIMED.value:
+            return None
+        now = self._clock()
+        new = {**row, **changes, "updated_at": now}
+        parts = effect_parts(new)
+        changed = {**changes, "seal": self._seal("effects", parts)}
+        new["seal"] = changed["seal"]
+        cur.execute(
+            folded_transition_sql(self._q, tuple(changed)),
+            [
+                *changed.values(),
+                now,
+                *sealed,
+                *appended,
+                row["chain"],
+                row["key_id"],
+                appended[1],
+            ],
+        )
+        if cur.rowcount != 1:
+            return None
+        self._append(cur, new, event, claim.lease_owner, detail, digest=parts[2])
+        return new
 
     def _recorded_already(self, cur: Any, row: Row, claim: Claim, event: str, changes: Row) -> bool:
         """Whether the row holds exactly this outcome, recorded by this claim (its last
