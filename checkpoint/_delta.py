@@ -285,15 +285,19 @@ def same(a: Any, b: Any, codec: Codec) -> bool:
         return False
 
 
+_LEAVES = frozenset({str, int, float, bool, type(None), bytes, Opaque})
+
+
 def private_copy(v: Any) -> Any:
     """A copy sharing no mutable container with ``v`` (immutable leaves are shared)."""
     t = type(v)
-    if t is str or t is int or t is float or t is bool or v is None or t is bytes or t is Opaque:
+    if t in _LEAVES:
         return v
+    # leaves are taken as they are, without a call each (a loaded state is mostly leaves)
     if t is dict:
-        return {k: private_copy(x) for k, x in v.items()}
+        return {k: x if type(x) in _LEAVES else private_copy(x) for k, x in v.items()}
     if t is list:
-        return [private_copy(x) for x in v]
+        return [x if type(x) in _LEAVES else private_copy(x) for x in v]
     if t is tuple:
         return tuple(private_copy(x) for x in v)
     if t is set:

@@ -142,7 +142,7 @@ def make_engine(url: str, *, busy_timeout_ms: int) -> Engine:
     elif url.startswith("postgresql"):
         kwargs["pool_pre_ping"] = False
     try:
-        engine = create_engine(url, **kwargs)
+        engine = create_engine(_plain_sqlite(url) or url, **kwargs)
     except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ValueError, ImportError) as exc:
         password = url_password(url)
         raise ConfigurationError(
@@ -152,6 +152,16 @@ def make_engine(url: str, *, busy_timeout_ms: int) -> Engine:
         ) from scrub(exc, password)
     configure(engine, busy_timeout_ms=busy_timeout_ms)
     return engine
+
+
+def _plain_sqlite(url: str) -> URL | None:
+    """``sqlite:///PATH`` (no query, no escapes) as a URL object, parsed without
+    SQLAlchemy's URL pattern (compiling it is a third of a fresh process's open); None
+    for anything else, which ``create_engine`` parses itself. The result equals
+    ``make_url(url)`` (tested)."""
+    if not url.startswith("sqlite:///") or any(c in url for c in "?#%@"):
+        return None
+    return URL.create("sqlite", database=url[len("sqlite:///") :])
 
 
 def configure(engine: Engine, *, busy_timeout_ms: int) -> None:
