@@ -8,6 +8,10 @@ A :class:`FlowSpec` is a linear chain of steps (each a :class:`StepSpec`):
   names the effect, so it deduplicates across the runs of a tenant, never across tenants);
 * ``parallel``: two ``ctx.parallel`` calls in one visit; the second call reuses the first
   call's first branch name (repeated names across calls);
+* ``async``: the ``async def`` sibling of ``parallel``: the same two calls as
+  ``await ctx.aparallel({...})`` with async branches, then one positional effect of the
+  step itself, each sent through the guard on an ``async`` function (the guard's async
+  driver: its ledger calls run on the ledger's thread pool);
 * ``loop``: the step is revisited ``times`` times, with an approval, a signal, a timer or
   nothing between visits;
 * ``approval`` / ``signal`` / ``timer``: a wait before the next step (a rejection fails
@@ -26,11 +30,12 @@ builds the same flows from the same JSON spec.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,6 +46,7 @@ from onceonly.flow import Flow, Transition
 
 __all__ = [
     "AFTER_EFFECTS",
+    "BRANCHED",
     "TENANTS",
     "FileProvider",
     "FlowSpec",
@@ -56,7 +62,10 @@ AFTER_EFFECTS = "s11.step.after_effects"
 """A failpoint of the generated steps: every effect of the visit is done, its checkpoint
 is not written yet (a crash here leaves a step whose effects all replay)."""
 
-EFFECT_KINDS = ("plain", "explicit", "parallel", "loop")
+EFFECT_KINDS = ("plain", "explicit", "parallel", "async", "loop")
+BRANCHED = ("parallel", "async")
+"""The kinds whose step runs branches (two calls, a branch name repeated across them):
+``whats[:3]`` are the branches' effects, in the order of ``branches``."""
 WAIT_KINDS = ("approval", "signal", "timer")
 
 
@@ -196,6 +205,16 @@ def _send(ctx: StepContext | BranchContext, provider: Provider, payload: str) ->
     guard(ctx.ledger, effect="send@1")(lambda p: provider.deliver(p, run))(payload)
 
 
+async def _asend(ctx: StepContext | BranchContext, provider: Provider, payload: str) -> None:
+    run = ctx.run_id
+
+    async def deliver(p: str) -> dict[str, Any]:
+        await asyncio.sleep(0)  # a real suspension point before the provider is called
+        return provider.deliver(p, run)
+
+    await guard(ctx.ledger, effect="send@1")(deliver)(payload)
+
+
 def _send_explicit(ctx: StepContext, provider: Provider, tenant: str, what: str) -> None:
     # The request is the same for every tenant (an invoice number): only the key, which
     # takes the step's tenant, keeps two tenants' invoices apart.
@@ -205,10 +224,17 @@ def _send_explicit(ctx: StepContext, provider: Provider, tenant: str, what: str)
     )(what)
 
 
+Ran = Callable[[str, str], None]
+"""A hook the steps call with their kind and run: at the start of a visit (``KIND``), and
+once its effects are all done (``KIND:acted``)."""
+
+
 def _step_fn(
-    spec: StepSpec, nxt: str | None, tenant: str, provider: Provider
+    spec: StepSpec, nxt: str | None, tenant: str, provider: Provider, ran: Ran | None
 ) -> Callable[[StepContext], Transition]:
     def fn(ctx: StepContext) -> Transition:
+        if ran is not None:
+            ran(spec.kind, ctx.run_id)
         lin = str(ctx.state["lineage"])
         v = ctx.visit
         did: list[str] = []
@@ -235,18 +261,62 @@ def _step_fn(
             first = ctx.parallel({b0: branch(w0), b1: branch(w1)})
             second = ctx.parallel({b2: branch(w2)})
             did += [positional(tenant, lin, w, v) for w in (first[b0], first[b1], second[b2])]
-        if did:
-            failpoint(AFTER_EFFECTS)
-        ctx.state["trail"] = [*ctx.state.get("trail", []), *did]
-        if spec.kind == "loop" and v + 1 < spec.times:
-            return _wait(ctx, spec, spec.gate, spec.name) if spec.gate else ctx.next(spec.name)
-        if spec.kind in WAIT_KINDS:
-            assert nxt is not None, "a wait step is never last"
-            return _wait(ctx, spec, spec.kind, nxt)
-        return ctx.next(nxt) if nxt is not None else ctx.end({"trail": len(ctx.state["trail"])})
+        return _done(ctx, spec, nxt, did, ran)
 
     fn.__name__ = spec.name
     return fn
+
+
+def _async_step_fn(
+    spec: StepSpec, nxt: str | None, tenant: str, provider: Provider, ran: Ran | None
+) -> Callable[[StepContext], Awaitable[Transition]]:
+    """The ``async`` kind: ``parallel``'s two calls as ``ctx.aparallel`` with async
+    branches, then the step's own positional effects (``whats[3:]``)."""
+
+    async def fn(ctx: StepContext) -> Transition:
+        if ran is not None:
+            ran(spec.kind, ctx.run_id)
+        lin = str(ctx.state["lineage"])
+        v = ctx.visit
+
+        def branch(what: str) -> Callable[[BranchContext], Awaitable[str]]:
+            async def run(b: BranchContext) -> str:
+                await _asend(b, provider, positional(tenant, lin, what, v))
+                return what
+
+            return run
+
+        b0, b1, b2 = spec.branches
+        w0, w1, w2, *own = spec.whats
+        first = await ctx.aparallel({b0: branch(w0), b1: branch(w1)})
+        second = await ctx.aparallel({b2: branch(w2)})
+        did = [positional(tenant, lin, w, v) for w in (first[b0], first[b1], second[b2])]
+        for w in own:
+            did.append(positional(tenant, lin, w, v))
+            await _asend(ctx, provider, did[-1])
+        return _done(ctx, spec, nxt, did, ran)
+
+    fn.__name__ = spec.name
+    return fn
+
+
+def _done(
+    ctx: StepContext, spec: StepSpec, nxt: str | None, did: list[str], ran: Ran | None
+) -> Transition:
+    """The end of a visit (sync or async step): the failpoint after its effects, its
+    trail, its transition."""
+    v = ctx.visit
+    if did:
+        failpoint(AFTER_EFFECTS)
+        if ran is not None:
+            ran(spec.kind + ":acted", ctx.run_id)
+    ctx.state["trail"] = [*ctx.state.get("trail", []), *did]
+    if spec.kind == "loop" and v + 1 < spec.times:
+        return _wait(ctx, spec, spec.gate, spec.name) if spec.gate else ctx.next(spec.name)
+    if spec.kind in WAIT_KINDS:
+        assert nxt is not None, "a wait step is never last"
+        return _wait(ctx, spec, spec.kind, nxt)
+    return ctx.next(nxt) if nxt is not None else ctx.end({"trail": len(ctx.state["trail"])})
 
 
 def _wait(ctx: StepContext, spec: StepSpec, kind: str, then: str) -> Transition:
@@ -259,10 +329,14 @@ def _wait(ctx: StepContext, spec: StepSpec, kind: str, then: str) -> Transition:
 
 
 def build_flows(
-    spec: FlowSpec, provider: Provider, upgrades: dict[str, dict[str, str]] | None = None
+    spec: FlowSpec,
+    provider: Provider,
+    upgrades: dict[str, dict[str, str]] | None = None,
+    ran: Ran | None = None,
 ) -> list[Flow]:
     """One flow per tenant (the same steps; each tenant's effect keys are its own).
-    ``upgrades``: per older version, its renamed steps (for ``Operator.upgrade``)."""
+    ``upgrades``: per older version, its renamed steps (for ``Operator.upgrade``);
+    ``ran``: told of every visit a step begins and of every one whose effects are done."""
     flows = []
     for tenant in TENANTS:
         # Every deploy of the model drives the runs its predecessors started (a run stays
@@ -278,7 +352,8 @@ def build_flows(
         names = [s.name for s in spec.steps]
         for i, s in enumerate(spec.steps):
             nxt = names[i + 1] if i + 1 < len(names) else None
-            flow.step(name=s.name, start=i == 0)(_step_fn(s, nxt, tenant, provider))
+            make = _async_step_fn if s.kind == "async" else _step_fn
+            flow.step(name=s.name, start=i == 0)(make(s, nxt, tenant, provider, ran))
         flows.append(flow)
     return flows
 
@@ -288,7 +363,7 @@ def predicted(spec: FlowSpec, tenant: str, lineage: str) -> set[str]:
     its origin, or, for explicit keys, any run of its tenant)."""
     out: set[str] = set()
     for s in spec.steps:
-        if s.kind in ("plain", "parallel"):
+        if s.kind in ("plain", *BRANCHED):
             out |= {positional(tenant, lineage, w, 0) for w in s.whats}
         elif s.kind == "loop":
             out |= {positional(tenant, lineage, w, v) for w in s.whats for v in range(s.times)}

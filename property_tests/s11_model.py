@@ -41,6 +41,7 @@ from onceonly.runtime import META, Runtime
 from property_tests.s1_support import wipe
 from property_tests.s11_flows import (
     AFTER_EFFECTS,
+    BRANCHED,
     TENANTS,
     WAIT_KINDS,
     FlowSpec,
@@ -100,9 +101,13 @@ DEPLOYS = (
 
 
 def _step_thread() -> bool:
-    """A step runs here: the main thread or one of its branches (not a store writer)."""
+    """A step runs here: the main thread, one of its branches, or the ledger's thread pool
+    (not a store writer). An ``async`` step's guarded calls make their ledger calls on
+    that pool (the guard's async driver): its ``ledger.*`` failpoints fire there, and a
+    crash raised there reaches the step through the awaited future, as a kill of the
+    process would stop it there."""
     name = threading.current_thread().name
-    return name == "MainThread" or name.startswith("branch")
+    return name == "MainThread" or name.startswith(("branch", "onceonly-ledger"))
 
 
 class Crash(BaseException):
@@ -111,9 +116,9 @@ class Crash(BaseException):
 
 @st.composite
 def flow_specs(draw: st.DrawFn) -> FlowSpec:
-    """A flow with a plain step first, then (in some order) a parallel step, a loop, an
-    explicit-key step and one or two waits (never last)."""
-    kinds = ["parallel", "loop", "explicit"]
+    """A flow with a plain step first, then (in some order) a parallel step, an async
+    step, a loop, an explicit-key step and one or two waits (never last)."""
+    kinds = ["parallel", "async", "loop", "explicit"]
     kinds = list(draw(st.permutations(kinds)))
     for kind in draw(st.lists(st.sampled_from(WAIT_KINDS), min_size=1, max_size=2)):
         kinds.insert(draw(st.integers(0, len(kinds) - 1)), kind)
@@ -136,6 +141,10 @@ def flow_specs(draw: st.DrawFn) -> FlowSpec:
             steps.append(StepSpec(name, kind, (what(), what())))
         elif kind == "parallel":
             steps.append(StepSpec(name, kind, (what(), what(), what())))
+        elif kind == "async":
+            # the branches' three, then the step's own positional effect(s)
+            own = draw(st.integers(1, 2))
+            steps.append(StepSpec(name, kind, tuple(what() for _ in range(3 + own))))
         elif kind == "loop":
             gate = draw(st.sampled_from(["", *WAIT_KINDS]))
             steps.append(StepSpec(name, kind, (what(),), times=draw(st.integers(2, 3)), gate=gate))
@@ -209,6 +218,7 @@ class RuntimeModel(RuleBasedStateMachine):
         self.cancel_at: dict[str, tuple[int, frozenset[str]]] = {}
         self.retired: Counter[str] = Counter()
         self.next_id = 0
+        self.visiting = ""  # the kind of the step visit that began last
         self.counts.examples += 1
         self.op_store = Store.open(self.db_url)
         self.op_ledger = self._ledger(self.op_store, "op")
@@ -231,8 +241,17 @@ class RuntimeModel(RuleBasedStateMachine):
         return Proc(store, ledger, self._runtime(store, ledger, mode))
 
     def _runtime(self, store: Store, ledger: Ledger, mode: str) -> Runtime:
-        flows = build_flows(self.spec, self.provider)
+        flows = build_flows(self.spec, self.provider, ran=self._ran)
         return Runtime(store, ledger, flows, owner=f"rt-{mode}", clock=self.clock)
+
+    def _ran(self, kind: str, run_id: str) -> None:
+        """A step of ``kind`` began a visit (``KIND:acted``: its effects are done)."""
+        rm = self.runs.get(run_id)
+        if not kind.endswith(":acted"):
+            self.visiting = kind
+        self.counts.kinds[f"ran:{kind}"] += 1
+        if rm is not None:
+            self.counts.kinds[f"ran:{kind}:{rm.mode}"] += 1
 
     def _close(self, proc: Proc) -> None:
         with contextlib.suppress(Exception):
@@ -391,11 +410,15 @@ class RuntimeModel(RuleBasedStateMachine):
             if now == k:
                 raise Crash(point)
 
+        self.visiting = ""
         try:
             self._drive(rm, handler)
         except Crash:
             self.counts.crashes += 1
             self.counts.kinds[f"crash:{point}"] += 1
+            if self.visiting == "async" and point.startswith(("ledger.", "adapters.", "s11.")):
+                # a crash inside an async step's visit (at one of its effects' points)
+                self.counts.kinds[f"crash-in-async:{point}"] += 1
         self._restart(rm.proc or rm.mode)
 
     @precondition(lambda self: bool(self.live()))
@@ -721,7 +744,7 @@ class RuntimeModel(RuleBasedStateMachine):
             return choose(idx) if idx else None
 
         if how in ("rename_branch", "rename_repeated_branch", "swap_branches"):
-            i = where(("parallel",))
+            i = where(BRANCHED)
             if i is None:
                 return None
             s = steps[i]
@@ -731,8 +754,8 @@ class RuntimeModel(RuleBasedStateMachine):
             elif how == "rename_repeated_branch":
                 steps[i] = replace(s, branches=(b0, b1, b2 + "r"))
             else:
-                w0, w1, w2 = s.whats
-                steps[i] = replace(s, whats=(w1, w0, w2))
+                w0, w1, *rest = s.whats
+                steps[i] = replace(s, whats=(w1, w0, *rest))
         elif how in ("reorder_effects", "insert_effect", "remove_effect"):
             i = where(("plain",), need=2 if how != "insert_effect" else 1)
             if i is None:
@@ -749,7 +772,7 @@ class RuntimeModel(RuleBasedStateMachine):
             i = choose(list(range(1, len(steps))))
             steps.insert(i, StepSpec(f"ins{len(self.versions)}", "plain", (fresh,)))
         elif how in ("remove_step", "rename_step"):
-            i = where(("plain", "explicit", "parallel"), first=False)
+            i = where(("plain", "explicit", *BRANCHED), first=False)
             if i is None or (how == "remove_step" and i == len(steps) - 1):
                 return None  # (the last step stays: a wait is never left last)
             if how == "remove_step":

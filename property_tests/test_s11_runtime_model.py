@@ -2,7 +2,9 @@
 
 A hypothesis state machine (:class:`property_tests.s11_model.RuntimeModel`) generates a
 flow (a plain step, a parallel step whose second ``ctx.parallel`` call repeats a branch
-name of the first, a loop revisited 2-3 times with an approval, a signal, a timer or
+name of the first, its ``async def`` sibling (the same two calls as ``ctx.aparallel``
+with async branches, then positional effects of its own, all through the guard's async
+driver), a loop revisited 2-3 times with an approval, a signal, a timer or
 nothing between visits, an explicit-key step, one or two waits) and runs it for two
 tenants in three worker processes, one per durability mode (``sync``, ``async``,
 ``exit``), and a fourth whose store is in the default mode and whose runs each have a
@@ -21,7 +23,11 @@ and every effect of a completed run delivered (predicted from the flow while its
 did not change; from the run's own trail after a deploy). An example ends by letting
 every run finish; a run that never does is a failure.
 
-A small SIGKILL part runs a generated flow in a child process killed at random times.
+A crash inside an async step is the same ``BaseException`` raised at the same failpoints:
+the ones its guarded calls meet on the ledger's thread pool reach the step through the
+awaited future (the model counts crashes there as step crashes). A small SIGKILL part
+runs a generated flow, an async step among its steps, in a child process killed at
+random times.
 Positive controls re-introduce each defect class of issue [7] by monkeypatching and the
 checker must catch every one.
 
@@ -53,7 +59,7 @@ from onceonly.operator import Operator
 from property_tests.reliability import SuiteReport, scaled, seeds
 from property_tests.s1_support import wipe
 from property_tests.s11_flows import AFTER_EFFECTS, FileProvider, FlowSpec, StepSpec, predicted
-from property_tests.s11_model import DEPLOYS, MODES, Counts, RuntimeModel
+from property_tests.s11_model import CRASH_POINTS, DEPLOYS, MODES, Counts, RuntimeModel
 from tests.ledger_support import K1
 
 pytestmark = pytest.mark.slow
@@ -133,6 +139,8 @@ def test_the_runtime_behaves_like_its_model(db_url: str, report: SuiteReport) ->
     # The machine must have exercised what it exists for, in every mode.
     for kind in ("mode:sync", "mode:async", "mode:exit", "fork", "gc", "approve", "upgrade"):
         assert counts.kinds[kind] > 0, (kind, dict(counts.kinds))
+    # async steps ran to their effects' end (a crash at each point inside one: below)
+    assert counts.kinds["ran:async:acted"] > 0, dict(counts.kinds)
     assert counts.crashes > 0
     assert counts.raw > 0
     assert any(k.startswith("deploy:") for k in counts.kinds), dict(counts.kinds)
@@ -175,6 +183,58 @@ def test_a_deploy_in_the_middle_of_a_step_goes_on_safely_or_refuses(
     # every run completed, failed with a refusal, or (its step removed) was refused
     assert set(outcomes) <= {RunStatus.COMPLETED, RunStatus.FAILED, "refused"}, outcomes
     print(f"S11 mid-step deploy {how}: {dict(counts.kinds)}", file=sys.stderr)
+
+
+# -- a crash inside an async step: at each of its points, as a kill there ----------------
+
+IN_STEP = tuple(p for p in CRASH_POINTS if p.startswith(("ledger.", "adapters.", "s11.")))
+ASYNC_HITS = 9
+"""How often the async step below meets each ledger and adapter failpoint: two
+branch-set reads, three branch memos, four effects (three in branches, one its own)."""
+
+
+def test_a_crash_inside_an_async_step_is_a_kill_there(db_url: str, report: SuiteReport) -> None:
+    """Hits of every failpoint an async step's visit meets (its branch-set and branch memo
+    reads, each effect's claim, act and commit, on the step's thread or the ledger's
+    pool; the first, a middle and the last), crashed in turn, the modes in turn: the
+    crash stops the step there, the worker restarts, the effect in flight is in doubt and
+    settled from the provider's log (or replays), and the run completes with each effect
+    delivered once."""
+    spec = _spec(
+        StepSpec("pla0", "plain", ("w1",)),
+        StepSpec("asy1", "async", ("w3", "w4", "w5", "w6")),
+        LAST,
+    )
+    cases = [
+        (point, k)
+        for point in IN_STEP
+        for k in ((1,) if point == AFTER_EFFECTS else (1, 3, 6, ASYNC_HITS))
+    ]
+    counts = Counts()
+    m = _machine(db_url, counts, spec)()
+    m.setup(spec)
+    try:
+        for i, (point, k) in enumerate(cases):
+            mode = MODES[i % len(MODES)]
+            rm = m.begin("acme", mode)
+            m.procs[mode].runtime.drive(rm.rid, max_steps=1)  # at asy1
+            before = counts.kinds[f"crash-in-async:{point}"]
+            m.crash_at(rm, point, k)
+            assert counts.kinds[f"crash-in-async:{point}"] == before + 1, (point, k, mode)
+            for _ in range(3):
+                if m._status(rm.rid) is RunStatus.COMPLETED:
+                    break
+                m.resolve_parked(rm)
+                m._drive(rm)
+            assert m._status(rm.rid) is RunStatus.COMPLETED, (point, k, mode)
+            assert not m.violations(), (point, k, mode, m.violations())
+        m.drain()
+    finally:
+        m.teardown()
+        _add(counts)
+    assert counts.duplicates == counts.lost == 0
+    assert counts.needs_human > 0  # a crash between claim and outcome left it in doubt
+    print(f"S11 crash inside an async step: {dict(counts.kinds)}", file=sys.stderr)
 
 
 # -- found defect: a fork across a step rename -----------------------------------------------
@@ -519,6 +579,7 @@ def _kill_spec(rng: random.Random) -> FlowSpec:
         StepSpec("par1", "parallel", ("w3", "w4", "w5")),
         StepSpec("loo2", "loop", ("w6",), times=rng.randint(2, 3)),
         StepSpec("exp3", "explicit", ("w7", "w8")),
+        StepSpec("asy4", "async", ("w10", "w11", "w12", "w13")),
     ]
     rng.shuffle(steps)
     return FlowSpec((StepSpec("pla0", "plain", ("w1", "w2")), *steps, LAST))
