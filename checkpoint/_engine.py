@@ -75,10 +75,15 @@ def _split_userinfo(url: str) -> tuple[str, str | None, str]:
 
 
 def url_password(url: str | URL) -> str | None:
-    """The password in a database URL (None when it has none), even one SQLAlchemy
-    cannot parse."""
+    """The password in a database URL or libpq connection string (None when it has
+    none), even one SQLAlchemy cannot parse."""
     if isinstance(url, URL):
         return url.password
+    if is_conninfo(url):
+        try:
+            return conninfo_url(url).password
+        except ConfigurationError:
+            return None  # unparsable: redact() masks its password= by shape
     try:
         return make_url(url).password
     except (sa_exc.ArgumentError, ValueError, TypeError):
@@ -91,6 +96,11 @@ def safe_url(url: str | URL) -> str:
     masked from its last ``@`` back to the first ``:`` of its user part."""
     if isinstance(url, URL):
         return url.render_as_string(hide_password=True)
+    if is_conninfo(url):
+        try:
+            return conninfo_url(url).render_as_string(hide_password=True)
+        except ConfigurationError:
+            return redact(url)
     try:
         parsed = make_url(url)
     except (sa_exc.ArgumentError, ValueError, TypeError):
@@ -128,8 +138,16 @@ def make_engine(url: str, *, busy_timeout_ms: int) -> Engine:
         ConfigurationError: The URL is malformed or names a missing driver (its
             password masked in the message).
     """
-    if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    if is_conninfo(url):
+        return _engine_for(conninfo_url(url), url, busy_timeout_ms=busy_timeout_ms)
+    for scheme in ("postgresql://", "postgres://"):  # libpq's URI schemes
+        if url.startswith(scheme):
+            url = "postgresql+psycopg://" + url[len(scheme) :]
+    return _engine_for(_plain_sqlite(url) or url, url, busy_timeout_ms=busy_timeout_ms)
+
+
+def _engine_for(target: str | URL, url: str, *, busy_timeout_ms: int) -> Engine:
+    """:func:`make_engine`'s engine for ``target`` (``url`` as given: for messages)."""
     if url.startswith("sqlite") and (
         ":memory:" in url or url.rstrip("/") in ("sqlite:", "sqlite:/")
     ):
@@ -137,12 +155,13 @@ def make_engine(url: str, *, busy_timeout_ms: int) -> Engine:
             "an in-memory SQLite database cannot be durable; use a file, e.g. sqlite:///onceonly.db"
         )
     kwargs: dict[str, Any] = {}
-    if url.startswith("sqlite"):
+    scheme = target.drivername if isinstance(target, URL) else target
+    if scheme.startswith("sqlite"):
         kwargs["connect_args"] = {"timeout": busy_timeout_ms / 1000.0}
-    elif url.startswith("postgresql"):
+    elif scheme.startswith("postgresql"):
         kwargs["pool_pre_ping"] = False
     try:
-        engine = create_engine(_plain_sqlite(url) or url, **kwargs)
+        engine = create_engine(target, **kwargs)
     except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ValueError, ImportError) as exc:
         password = url_password(url)
         raise ConfigurationError(
@@ -152,6 +171,58 @@ def make_engine(url: str, *, busy_timeout_ms: int) -> Engine:
         ) from scrub(exc, password)
     configure(engine, busy_timeout_ms=busy_timeout_ms)
     return engine
+
+
+def is_conninfo(url: str) -> bool:
+    """Whether ``url`` is a libpq key/value connection string (``host=... dbname=...``)
+    rather than a URL."""
+    return "://" not in url and "=" in url
+
+
+def conninfo_url(conninfo: str) -> URL:
+    """A libpq key/value connection string (``host=/run/pg dbname=app user=me``) as the
+    PostgreSQL URL it means (a socket directory or an option other than user, password,
+    host, port and dbname goes into the query, as psycopg reads it).
+
+    Raises:
+        ConfigurationError: It cannot be parsed, or the postgres extra is missing (the
+            string is not repeated: it may hold a password).
+    """
+    try:
+        from psycopg.conninfo import conninfo_to_dict  # noqa: PLC0415  (postgres extra)
+    except ImportError as exc:
+        raise ConfigurationError(
+            "a libpq connection string needs the postgres extra: pip install 'onceonly[postgres]'"
+        ) from exc
+    try:
+        parts = {k: str(v) for k, v in conninfo_to_dict(conninfo).items()}
+    except Exception as exc:  # noqa: BLE001 - psycopg's parse errors quote the string
+        raise ConfigurationError(
+            "cannot parse the libpq connection string (not shown: it may hold a "
+            f"password): {type(exc).__name__}; the form is 'host=H port=P dbname=D user=U'"
+        ) from None
+    host = parts.pop("host", None)
+    port = parts.pop("port", None)
+    if host is not None and (host.startswith("/") or "," in host):
+        parts["host"] = host  # a socket directory, or several hosts: as psycopg reads it
+        host = None
+    try:
+        number = int(port) if port is not None and host is not None else None
+    except ValueError:
+        raise ConfigurationError(
+            f"the libpq connection string's port is not a number: {port!r}"
+        ) from None
+    if port is not None and number is None:
+        parts["port"] = port
+    return URL.create(
+        "postgresql+psycopg",
+        username=parts.pop("user", None),
+        password=parts.pop("password", None),
+        host=host,
+        port=number,
+        database=parts.pop("dbname", None),
+        query=parts,
+    )
 
 
 def _plain_sqlite(url: str) -> URL | None:

@@ -183,6 +183,41 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    async def __aenter__(self) -> OnceOnlySaver:
+        """``async with OnceOnlySaver.from_url(url) as saver:`` (as LangGraph's async
+        savers are used); :meth:`close` runs off the event loop on the way out."""
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.close)
+
+    from_conn_string = from_url
+    """:meth:`from_url` under the name LangGraph's SQL savers use (the saver it returns
+    is a context manager, sync and async, as theirs are): ``url`` may also be a libpq
+    connection string (``host=... dbname=... user=...``) or a ``postgres://`` URI."""
+
+    def setup(self) -> None:
+        """What LangGraph's SQL savers ask for before first use: the saver's tables and
+        the store's exist at this release's version afterwards. This saver creates them
+        when it opens (``create=True``), so ``setup()`` only checks them, and may be
+        called any number of times.
+
+        Raises:
+            SchemaVersionError: The tables are older (run ``onceonly migrate
+                --langgraph``) or newer than this code.
+        """
+        self._call(self._setup)
+
+    async def asetup(self) -> None:
+        """:meth:`setup` for async code."""
+        await self._acall(self._setup)
+
+    def _setup(self) -> None:
+        # the store's own tables were checked (or created) when it opened
+        ensure_schema(
+            self.store.engine, _schema.COMPONENT, _schema.LANGGRAPH_MIGRATIONS, create=True
+        )
+
     # -- versions ----------------------------------------------------------------------
     def get_next_version(self, current: str | int | float | None, channel: None) -> str:
         """The next channel version, in the format of LangGraph's SQL savers

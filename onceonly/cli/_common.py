@@ -60,13 +60,10 @@ def known_secrets(argv: Sequence[str]) -> tuple[str, ...]:
 
 
 def _password(url: str) -> str | None:
-    from sqlalchemy import make_url  # noqa: PLC0415
-    from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
+    from onceonly.checkpoint._engine import url_password  # noqa: PLC0415
 
-    try:
-        return make_url(url).password
-    except (ArgumentError, ValueError, TypeError):  # redact() masks it by its shape
-        return None
+    # a URL's or a libpq connection string's; redact() masks an unparsable one by shape
+    return url_password(url)
 
 
 def masked(text: str, argv: Sequence[str]) -> str:
