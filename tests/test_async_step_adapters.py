@@ -9,7 +9,7 @@ makes the same calls without the guards, and the resume repeats them. Both backe
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,8 @@ def _trip(hotel: BookingProvider, mcp: Provider, crash: list[bool], *, guarded: 
 
     @flow.step(start=True)
     async def book(ctx: StepContext) -> Transition:
+        hold: Mapping[str, Any]
+        conf: Mapping[str, Any]
         async with httpx.AsyncClient(base_url=hotel.url, timeout=TIMEOUT) as http:
             if guarded:
                 booking = AsyncGuardedBooking(http, ctx.ledger, retry=RETRY)
