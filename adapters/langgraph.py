@@ -16,7 +16,8 @@ current request's ``tool_call_id``) and the tool does not run again.
 by the model's ``tool_call_id`` (a re-planned message gets new ids)::
 
     run_id  = execution_info.thread_id
-    step_id = f"{execution_info.checkpoint_ns}/tool_calls[{index}]"
+    step_id = f"{execution_info.checkpoint_ns}/tool_calls[{index}]"             (a batch)
+            | f"{execution_info.checkpoint_ns}/messages[{at}].tool_calls[{index}]"
     visit   = 0
     effect  = policy.effect or f"{tool_name}@1"      (ordinal 0)
 
@@ -28,13 +29,32 @@ super-step, a loop back through the node, ``update_state`` and a time-travel for
 (``invoke(None, past_config)``, for which LangGraph writes a new checkpoint) yield new
 ones, so those act anew. ``run_id``, ``node_attempt`` and
 ``node_first_attempt_time`` change on every resume or node retry and are not used, which
-is also why ``visit`` is 0: a node retry is the same visit. ``index`` is the call's
-position among the ``tool_calls`` of the ``AIMessage`` that holds it (its id only finds
-it there). The tool body runs inside that step (:func:`adapters.step`), so guarded
-adapters it calls (``GuardedHTTP``, ``GuardedSMTP``) get stable position keys too. The
-tool name and arguments are fingerprinted: the same position with other arguments is a
-``KeyReuseError``. A graph without a checkpointer (or invoked without a ``thread_id``)
-has no resume: the guard refuses it (``ConfigurationError``).
+is also why ``visit`` is 0: a node retry is the same visit.
+
+One task may run several batches of calls: a node that calls a model and a ``ToolNode``
+in a loop invokes the ``ToolNode`` once per model turn, in one task. So a call is placed
+within its task by ``at``, the position of the ``AIMessage`` that holds it in the list the
+``ToolNode`` was given (``messages_key``), and ``index``, its position among that
+message's ``tool_calls`` (the call's id only finds it there). Both are stable when the
+task re-runs: a resume re-runs the whole node from the same checkpoint, and a node that
+re-runs deterministically builds the same list, message for message, while the ids a
+re-run model gives its messages and calls are new. The short form, without ``at``, is
+kept for the one batch it always named (so runs recorded by earlier releases replay): a
+batch whose ``AIMessage`` is in the state the task started from (a ``ToolNode`` as the
+node, a ``Send`` to it, in a graph or a subgraph), and a node's first batch of its own
+(the first ``AIMessage`` with tool calls in the list that is not in that state), unless
+the task started with tool calls still unanswered (a node that runs them and then
+loops: its own batches all take the long form). Two ``ToolNode`` invocations in one task
+whose lists put different calls at the same position (each a fresh two-message
+conversation, or a window that drops earlier turns) are one position: give each its
+own task (a node, a ``Send``), or keep the earlier turns in the list.
+
+The tool body runs inside that step (:func:`adapters.step`), so guarded adapters it calls
+(``GuardedHTTP``, ``GuardedSMTP``) get stable position keys too. The tool name and
+arguments are fingerprinted: the same position with other arguments is a
+``KeyReuseError`` (a re-run model that re-plans a call with other arguments stops the
+run, it does not act). A graph without a checkpointer (or invoked without a
+``thread_id``) has no resume: the guard refuses it (``ConfigurationError``).
 
 **Durability.** The task id, and so the key, is only as durable as the checkpoint it is
 derived from, and that checkpoint also holds the plan (the ``AIMessage``, the ``Send``)
@@ -90,7 +110,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -296,8 +316,12 @@ class ToolGuard:
                 "invoked with a thread_id: without them there is no resume to protect and "
                 "no stable key"
             )
-        index = _index(request, self.messages_key)
-        return info.thread_id, f"{info.checkpoint_ns}/tool_calls[{index}]"
+        messages = _messages(request.state, self.messages_key)
+        at, index = _index(request, messages, self.messages_key)
+        ns = info.checkpoint_ns
+        if _first_batch(request, messages, at, self.messages_key):
+            return info.thread_id, f"{ns}/tool_calls[{index}]"
+        return info.thread_id, f"{ns}/messages[{at}].tool_calls[{index}]"
 
     def wrap_tool_call(
         self,
@@ -375,7 +399,7 @@ class ToolGuard:
         tool = request.tool_call["name"]
         policy = self.policy(tool)
         run_id, step_id = self.position(request)
-        task = (run_id, step_id.rpartition("/")[0])
+        task = (run_id, str(getattr(request.runtime.execution_info, "checkpoint_ns", "")))
         return _Call(
             tool,
             request.tool_call["args"],
@@ -517,20 +541,24 @@ def _classifier(policy: ToolPolicy) -> Callable[[BaseException], OutcomeClass]:
     return classify
 
 
-def _index(request: ToolCallRequest, messages_key: str) -> int:
-    """The call's position among the tool calls of the ``AIMessage`` that holds it."""
+def _messages(state: Any, messages_key: str) -> Any:
+    """The message list of a ``ToolNode``'s input state."""
+    if isinstance(state, list):
+        return state
+    if isinstance(state, Mapping):
+        return state.get(messages_key, [])
+    return getattr(state, messages_key, [])
+
+
+def _index(request: ToolCallRequest, messages: Any, messages_key: str) -> tuple[int, int]:
+    """The position of the ``AIMessage`` that holds the call in ``messages``, and the
+    call's position among that message's tool calls."""
     from langchain_core.messages import AIMessage  # noqa: PLC0415  (optional dependency)
 
     call_id = request.tool_call.get("id")
-    state = request.state
-    if isinstance(state, list):
-        messages: Any = state
-    elif isinstance(state, Mapping):
-        messages = state.get(messages_key, [])
-    else:
-        messages = getattr(state, messages_key, [])
     if call_id:
-        for message in reversed(messages):
+        for at in range(len(messages) - 1, -1, -1):
+            message = messages[at]
             if not isinstance(message, AIMessage):
                 continue
             ids = [c.get("id") for c in message.tool_calls]
@@ -540,12 +568,78 @@ def _index(request: ToolCallRequest, messages_key: str) -> int:
                         f"tool call id {call_id!r} occurs twice in one AIMessage: the calls "
                         "cannot be told apart, so neither is run"
                     )
-                return ids.index(call_id)
+                return at, ids.index(call_id)
     raise ConfigurationError(
         f"cannot place tool call {call_id!r} of {request.tool_call['name']}: it is not in an "
         f"AIMessage of the state's {messages_key!r} (a ToolNode fed bare tool calls has no "
         "position to key them by)"
     )
+
+
+def _first_batch(request: ToolCallRequest, messages: Any, at: int, messages_key: str) -> bool:
+    """Whether the call's ``AIMessage`` (``messages[at]``) keeps the short step id.
+
+    The short form (``<ns>/tool_calls[i]``, without the message's position) names the one
+    batch of calls a task can hold without a model loop in the node: the ``AIMessage`` of
+    the state the task started from (a ``ToolNode`` as the node, a ``Send`` to it), or,
+    in a node that calls a model and a ``ToolNode`` in a loop, the first ``AIMessage``
+    with tool calls the node made itself, unless the task started with calls still
+    unanswered (those may be the node's first batch). Every other batch is placed by its
+    position in the list as well.
+    """
+    from langchain_core.messages import AIMessage  # noqa: PLC0415  (optional dependency)
+
+    stored = _stored_messages(request, messages_key)
+
+    def resident(i: int) -> bool:
+        if i >= len(stored):
+            return False
+        mine, theirs = messages[i], stored[i]
+        return mine is theirs or (
+            getattr(mine, "id", None) is not None and getattr(theirs, "id", None) == mine.id
+        )
+
+    if resident(at):
+        return True
+    if _pending(stored):
+        return False
+    return not any(
+        isinstance(messages[i], AIMessage) and messages[i].tool_calls and not resident(i)
+        for i in range(at)
+    )
+
+
+def _stored_messages(request: ToolCallRequest, messages_key: str) -> Sequence[Any]:
+    """The message list of the state the call's task started from (empty if unreadable)."""
+    from langgraph._internal._constants import (  # noqa: PLC0415  (optional dependency)
+        CONFIG_KEY_READ,
+    )
+    from langgraph.errors import EmptyChannelError  # noqa: PLC0415  (optional dependency)
+
+    conf: Mapping[str, Any] = (getattr(request.runtime, "config", None) or {}).get(
+        "configurable", {}
+    )
+    read = conf.get(CONFIG_KEY_READ)
+    if read is None:
+        return ()
+    try:
+        stored = read(messages_key, fresh=False)  # the channels as the super-step started
+    except (KeyError, EmptyChannelError):
+        return ()
+    return stored if isinstance(stored, Sequence) else ()
+
+
+def _pending(stored: Sequence[Any]) -> bool:
+    """Whether the last ``AIMessage`` of ``stored`` has a tool call no message answers."""
+    from langchain_core.messages import AIMessage, ToolMessage  # noqa: PLC0415
+
+    answered: set[Any] = set()
+    for message in reversed(stored):
+        if isinstance(message, ToolMessage):
+            answered.add(message.tool_call_id)
+        elif isinstance(message, AIMessage):
+            return any(c.get("id") not in answered for c in message.tool_calls)
+    return False
 
 
 def _record(output: Any, codec: Any) -> dict[str, Any]:
