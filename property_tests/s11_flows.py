@@ -12,6 +12,11 @@ A :class:`FlowSpec` is a linear chain of steps (each a :class:`StepSpec`):
   ``await ctx.aparallel({...})`` with async branches, then one positional effect of the
   step itself, each sent through the guard on an ``async`` function (the guard's async
   driver: its ledger calls run on the ledger's thread pool);
+* ``slow``: a step with a time limit (``timeout_s``, ``on_timeout`` the next step) that
+  sends its first effect and then takes longer than its limit on the runtime's clock (the
+  model's: the step moves it on, no wall-clock time is involved), so its second effect
+  is refused by the run fence every time and the run takes the ``on_timeout`` path;
+  that effect is never delivered;
 * ``loop``: the step is revisited ``times`` times, with an approval, a signal, a timer or
   nothing between visits;
 * ``approval`` / ``signal`` / ``timer``: a wait before the next step (a rejection fails
@@ -62,7 +67,9 @@ AFTER_EFFECTS = "s11.step.after_effects"
 """A failpoint of the generated steps: every effect of the visit is done, its checkpoint
 is not written yet (a crash here leaves a step whose effects all replay)."""
 
-EFFECT_KINDS = ("plain", "explicit", "parallel", "async", "loop")
+EFFECT_KINDS = ("plain", "explicit", "parallel", "async", "slow", "loop")
+SLOW_LIMIT_S = 1.0
+"""A ``slow`` step's ``timeout_s``; it takes twice as long (on the runtime's clock)."""
 BRANCHED = ("parallel", "async")
 """The kinds whose step runs branches (two calls, a branch name repeated across them):
 ``whats[:3]`` are the branches' effects, in the order of ``branches``."""
@@ -79,6 +86,11 @@ class StepSpec:
     branches: tuple[str, ...] = ("x", "y", "x")
     times: int = 1
     gate: str = ""
+
+    def sent(self) -> tuple[str, ...]:
+        """The effects a visit of this step may deliver (a ``slow`` step's last one is
+        past its time limit: never)."""
+        return self.whats[:-1] if self.kind == "slow" else self.whats
 
     def wait_name(self) -> str:
         """The wait this step opens (a gate's, or a loop's between visits)."""
@@ -226,11 +238,18 @@ def _send_explicit(ctx: StepContext, provider: Provider, tenant: str, what: str)
 
 Ran = Callable[[str, str], None]
 """A hook the steps call with their kind and run: at the start of a visit (``KIND``), and
-once its effects are all done (``KIND:acted``)."""
+once its effects are all done (``KIND:acted``; ``slow:late``: past its time limit)."""
+Elapse = Callable[[float], None]
+"""Moves the runtime's clock on (a ``slow`` step taking its time)."""
 
 
 def _step_fn(
-    spec: StepSpec, nxt: str | None, tenant: str, provider: Provider, ran: Ran | None
+    spec: StepSpec,
+    nxt: str | None,
+    tenant: str,
+    provider: Provider,
+    ran: Ran | None,
+    elapse: Elapse | None = None,
 ) -> Callable[[StepContext], Transition]:
     def fn(ctx: StepContext) -> Transition:
         if ran is not None:
@@ -261,6 +280,16 @@ def _step_fn(
             first = ctx.parallel({b0: branch(w0), b1: branch(w1)})
             second = ctx.parallel({b2: branch(w2)})
             did += [positional(tenant, lin, w, v) for w in (first[b0], first[b1], second[b2])]
+        elif spec.kind == "slow":
+            assert elapse is not None, "a slow step needs the runtime's clock"
+            did.append(positional(tenant, lin, spec.whats[0], v))
+            _send(ctx, provider, did[-1])
+            elapse(2 * SLOW_LIMIT_S)
+            if ran is not None:
+                ran("slow:late", ctx.run_id)
+            # refused by the run fence (the step's time is up): the step ends here
+            _send(ctx, provider, positional(tenant, lin, spec.whats[1], v))
+            raise AssertionError("a claim after the step's time was up was granted")
         return _done(ctx, spec, nxt, did, ran)
 
     fn.__name__ = spec.name
@@ -333,10 +362,12 @@ def build_flows(
     provider: Provider,
     upgrades: dict[str, dict[str, str]] | None = None,
     ran: Ran | None = None,
+    elapse: Elapse | None = None,
 ) -> list[Flow]:
     """One flow per tenant (the same steps; each tenant's effect keys are its own).
     ``upgrades``: per older version, its renamed steps (for ``Operator.upgrade``);
-    ``ran``: told of every visit a step begins and of every one whose effects are done."""
+    ``ran``: told of every visit a step begins and of every one whose effects are done;
+    ``elapse``: moves the runtime's clock on (needed by ``slow`` steps)."""
     flows = []
     for tenant in TENANTS:
         # Every deploy of the model drives the runs its predecessors started (a run stays
@@ -352,8 +383,15 @@ def build_flows(
         names = [s.name for s in spec.steps]
         for i, s in enumerate(spec.steps):
             nxt = names[i + 1] if i + 1 < len(names) else None
-            make = _async_step_fn if s.kind == "async" else _step_fn
-            flow.step(name=s.name, start=i == 0)(make(s, nxt, tenant, provider, ran))
+            if s.kind == "async":
+                fn: Callable[[StepContext], Any] = _async_step_fn(s, nxt, tenant, provider, ran)
+            else:
+                fn = _step_fn(s, nxt, tenant, provider, ran, elapse)
+            if s.kind == "slow":
+                assert nxt is not None, "a slow step is never last"
+                flow.step(name=s.name, start=i == 0, timeout_s=SLOW_LIMIT_S, on_timeout=nxt)(fn)
+            else:
+                flow.step(name=s.name, start=i == 0)(fn)
         flows.append(flow)
     return flows
 
@@ -363,8 +401,8 @@ def predicted(spec: FlowSpec, tenant: str, lineage: str) -> set[str]:
     its origin, or, for explicit keys, any run of its tenant)."""
     out: set[str] = set()
     for s in spec.steps:
-        if s.kind in ("plain", *BRANCHED):
-            out |= {positional(tenant, lineage, w, 0) for w in s.whats}
+        if s.kind in ("plain", "slow", *BRANCHED):
+            out |= {positional(tenant, lineage, w, 0) for w in s.sent()}
         elif s.kind == "loop":
             out |= {positional(tenant, lineage, w, v) for w in s.whats for v in range(s.times)}
         elif s.kind == "explicit":

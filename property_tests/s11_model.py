@@ -117,10 +117,10 @@ class Crash(BaseException):
 @st.composite
 def flow_specs(draw: st.DrawFn) -> FlowSpec:
     """A flow with a plain step first, then (in some order) a parallel step, an async
-    step, a loop, an explicit-key step and one or two waits (never last)."""
+    step, a loop, an explicit-key step, one or two waits and a slow step (never last)."""
     kinds = ["parallel", "async", "loop", "explicit"]
     kinds = list(draw(st.permutations(kinds)))
-    for kind in draw(st.lists(st.sampled_from(WAIT_KINDS), min_size=1, max_size=2)):
+    for kind in [*draw(st.lists(st.sampled_from(WAIT_KINDS), min_size=1, max_size=2)), "slow"]:
         kinds.insert(draw(st.integers(0, len(kinds) - 1)), kind)
     kinds.insert(0, "plain")
     steps: list[StepSpec] = []
@@ -137,7 +137,7 @@ def flow_specs(draw: st.DrawFn) -> FlowSpec:
             steps.append(
                 StepSpec(name, kind, tuple(what() for _ in range(draw(st.integers(1, 2)))))
             )
-        elif kind == "explicit":
+        elif kind in ("explicit", "slow"):
             steps.append(StepSpec(name, kind, (what(), what())))
         elif kind == "parallel":
             steps.append(StepSpec(name, kind, (what(), what(), what())))
@@ -241,7 +241,7 @@ class RuntimeModel(RuleBasedStateMachine):
         return Proc(store, ledger, self._runtime(store, ledger, mode))
 
     def _runtime(self, store: Store, ledger: Ledger, mode: str) -> Runtime:
-        flows = build_flows(self.spec, self.provider, ran=self._ran)
+        flows = build_flows(self.spec, self.provider, ran=self._ran, elapse=self.clock.advance)
         return Runtime(store, ledger, flows, owner=f"rt-{mode}", clock=self.clock)
 
     def _ran(self, kind: str, run_id: str) -> None:
@@ -706,9 +706,10 @@ class RuntimeModel(RuleBasedStateMachine):
             return False
         if run.code_version == str(self.spec.version) or run.status in ENDED:
             return False
-        flows = {f.name: f for f in build_flows(self.spec, self.provider, self._renames())}
+        flows = build_flows(self.spec, self.provider, self._renames(), elapse=self.clock.advance)
+        by_name = {f.name: f for f in flows}
         try:
-            self.operator.upgrade(rm.rid, flows[run.flow], actor="ops", reason="s11 upgrade")
+            self.operator.upgrade(rm.rid, by_name[run.flow], actor="ops", reason="s11 upgrade")
         except UpgradeRefused as exc:
             self.counts.kinds[f"upgrade-refused:{exc.reason.split(':')[0][:40]}"] += 1
             after = self.op_store.get_run(rm.rid)
@@ -748,6 +749,7 @@ class RuntimeModel(RuleBasedStateMachine):
             if i is None:
                 return None
             s = steps[i]
+            self.counts.kinds[f"deploy-on:{s.kind}"] += 1
             b0, b1, b2 = s.branches
             if how == "rename_branch":
                 steps[i] = replace(s, branches=(b0 + "r", b1, b2))
@@ -848,7 +850,7 @@ class RuntimeModel(RuleBasedStateMachine):
     def _possible(self, lineage: str, what: str, visit: int, payload: str) -> list[str]:
         """The delivery is of a step visit some deployed code has, and every approval
         that step sits behind was granted (in every version that has it)."""
-        homes = [(v, i) for v in self.versions for i, s in enumerate(v.steps) if what in s.whats]
+        homes = [(v, i) for v in self.versions for i, s in enumerate(v.steps) if what in s.sent()]
         if not homes:
             return [f"{payload}: no deployed step has {what}"]
         most = max(v.steps[i].times if v.steps[i].kind == "loop" else 1 for v, i in homes)

@@ -4,16 +4,17 @@ A hypothesis state machine (:class:`property_tests.s11_model.RuntimeModel`) gene
 flow (a plain step, a parallel step whose second ``ctx.parallel`` call repeats a branch
 name of the first, its ``async def`` sibling (the same two calls as ``ctx.aparallel``
 with async branches, then positional effects of its own, all through the guard's async
-driver), a loop revisited 2-3 times with an approval, a signal, a timer or
-nothing between visits, an explicit-key step, one or two waits) and runs it for two
-tenants in three worker processes, one per durability mode (``sync``, ``async``,
-``exit``), and a fourth whose store is in the default mode and whose runs each have a
-mode of their own (``Runtime.start(durability=...)``: all three modes in one store and
-one worker), on one database, while an operator in a fifth approves, rejects, signals,
-edits, cancels (between steps and in the middle of one), retries, forks, collects
-garbage at zero age and resolves in-doubt effects; workers crash at failpoints (an
-injected ``BaseException``) and restart; the keyring rotates; deploys rename, reorder,
-insert and remove steps, effects and parallel branches.
+driver), a step with a time limit that runs past it on the runtime's clock (its late
+effect is refused; the run takes its ``on_timeout`` path), a loop revisited 2-3 times
+with an approval, a signal, a timer or nothing between visits, an explicit-key step, one
+or two waits) and runs it for two tenants in three worker processes, one per durability
+mode (``sync``, ``async``, ``exit``), and a fourth whose store is in the default mode
+and whose runs each have a mode of their own (``Runtime.start(durability=...)``: all
+three modes in one store and one worker), on one database, while an operator in a fifth
+approves, rejects, signals, edits, cancels (between steps and in the middle of one),
+retries, forks, collects garbage at zero age and resolves in-doubt effects; workers
+crash at failpoints (an injected ``BaseException``) and restart; the keyring rotates;
+deploys rename, reorder, insert and remove steps, effects and parallel branches.
 
 The oracle is the provider's raw log (every delivery with the run that sent it), checked
 after every rule against a model of what may have happened: no identity delivered twice,
@@ -141,6 +142,9 @@ def test_the_runtime_behaves_like_its_model(db_url: str, report: SuiteReport) ->
         assert counts.kinds[kind] > 0, (kind, dict(counts.kinds))
     # async steps ran to their effects' end (a crash at each point inside one: below)
     assert counts.kinds["ran:async:acted"] > 0, dict(counts.kinds)
+    # slow steps ran past their time limit (and took their on_timeout path: the oracle
+    # holds their late effect to never delivered, their first to delivered)
+    assert counts.kinds["ran:slow:late"] > 0, dict(counts.kinds)
     assert counts.crashes > 0
     assert counts.raw > 0
     assert any(k.startswith("deploy:") for k in counts.kinds), dict(counts.kinds)
@@ -208,7 +212,7 @@ def test_a_crash_inside_an_async_step_is_a_kill_there(db_url: str, report: Suite
     cases = [
         (point, k)
         for point in IN_STEP
-        for k in ((1,) if point == AFTER_EFFECTS else (1, 3, 6, ASYNC_HITS))
+        for k in ((1,) if point == AFTER_EFFECTS else (1, 5, ASYNC_HITS))
     ]
     counts = Counts()
     m = _machine(db_url, counts, spec)()
@@ -378,6 +382,22 @@ def _no_fence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("onceonly.ledger._claims.check_fence", lambda *a, **k: None)
 
 
+def _fence_ignores_the_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    from onceonly.ledger import fence as fences
+
+    def check(cur: Any, store: Store, fence: Any) -> None:
+        if fence is not None:
+            fence = replace(fence, deadline=None)  # the step's time limit is not checked
+        fences.check_fence(cur, store, fence)
+
+    monkeypatch.setattr("onceonly.ledger._claims.check_fence", check)
+
+
+def _scenario_slow_step(m: RuntimeModel) -> None:
+    rm = m.begin("acme", "exit")
+    m._drive(rm)
+
+
 def _wait_without_visit(monkeypatch: pytest.MonkeyPatch) -> None:
     original = Waits.open
 
@@ -516,10 +536,20 @@ CONTROLS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], FlowSpec, Any]] 
         _spec(StepSpec("par0", "parallel", ("w1", "w2", "w3")), LAST),
         _scenario_two_parallel_calls,
     ),
+    "second-aparallel-call-lost": (
+        _memo_keys_not_positional,
+        _spec(StepSpec("asy0", "async", ("w1", "w2", "w3", "w4")), LAST),
+        _scenario_two_parallel_calls,
+    ),
     "renamed-branch-resends": (
         _branch_sets_ignored,
         _spec(StepSpec("par0", "parallel", ("w1", "w2", "w3")), LAST),
         _scenario_renamed_branch,
+    ),
+    "timed-out-step-acts": (
+        _fence_ignores_the_time,
+        _spec(StepSpec("slo0", "slow", ("w1", "w2")), LAST),
+        _scenario_slow_step,
     ),
     "gc-then-resend": (_retention_ignores_live_runs, _spec(PLAIN, LAST), _scenario_gc_then_resume),
     "completed-step-rerun": (
