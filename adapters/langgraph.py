@@ -99,6 +99,17 @@ content (a ``ToolMessage``); a tool returning a ``Command`` cannot be recorded a
 call ends in doubt. An ``interrupt()`` inside a tool counts as *not sent*: LangGraph
 re-runs the tool body on resume, so act after the interrupt.
 
+**Approvals.** ``ToolPolicy(approval=True)`` makes a person approve each call of the tool
+before it acts: the guard calls LangGraph's ``interrupt`` with ``{"kind":
+"onceonly.approval", "tool", "args", "args_hash", "tool_call_id"}``, where ``args_hash``
+is :meth:`ToolGuard.approval_hash` (keyed with the ledger's secret, so it is no oracle of
+the arguments). The call runs only when the resume value is ``{"approve": args_hash}``
+for the arguments it is about to send; ``{"reject": args_hash, "reason": ...}`` answers
+the model with an error message (nothing happened, nothing recorded); anything else
+(``"yes"``, or the hash of arguments that ``update_state`` has changed since the prompt)
+asks again with the current arguments. A re-run of the task (a resume, a crash) replays
+the decisions LangGraph stored for it, so an approved call is not asked again.
+
 LangGraph is imported lazily: this module imports without the ``onceonly[langgraph]``
 extra, and needs it only when a tool call arrives.
 """
@@ -116,6 +127,7 @@ from typing import TYPE_CHECKING, Any
 
 from onceonly.checkpoint.errors import CodecError, ConfigurationError, OnceOnlyError
 from onceonly.ledger import EffectFailed, Ledger, OutcomeClass, ProviderClass
+from onceonly.ledger.keys import canonical_args
 
 from .context import step
 from .guard import Probe, RetryPolicy, guard
@@ -195,6 +207,13 @@ class ToolPolicy:
         retry: Attempts and pauses (default: :data:`adapters.DEFAULT_RETRY`).
         effect: The effect's ``name@version`` (default: ``"<tool name>@1"``); bump the
             version when the tool's meaning changes.
+        approval: A person approves each call first: the guard interrupts the run with
+            the tool's name, arguments and their ``args_hash``
+            (:meth:`ToolGuard.approval_hash`), and the call runs only when the resume
+            value is ``{"approve": args_hash}`` for exactly those arguments
+            (``{"reject": args_hash}`` answers the model that it was refused). Any
+            other resume value, or a hash of other arguments (changed by
+            ``update_state`` after the prompt), asks again with the current arguments.
     """
 
     provider_class: ProviderClass | str = ProviderClass.OPAQUE
@@ -203,6 +222,7 @@ class ToolPolicy:
     classify: Callable[[BaseException], OutcomeClass] | None = None
     retry: RetryPolicy | None = None
     effect: str | None = None
+    approval: bool = False
 
     def __post_init__(self) -> None:
         pclass = ProviderClass(self.provider_class)
@@ -340,6 +360,9 @@ class ToolGuard:
         """
         call = self._place(request)
         codec = self.ledger.codec
+        refused = self._approve(call, request)
+        if refused is not None:
+            return refused
 
         def act(tool: str, args: Any) -> dict[str, Any]:
             return _record(execute(request), codec)
@@ -377,7 +400,13 @@ class ToolGuard:
         try:
             with step(call.run_id, call.step_id, tenant=self.tenant):
                 try:
-                    # Inside: a refused call, like a failed one, waits for its siblings.
+                    # Inside: a refused call, like a failed one, waits for its siblings
+                    # (so does one that interrupts for its approval).
+                    if call.policy.approval:
+                        await asyncio.sleep(0)  # the siblings start (and join peers) first
+                    refused = self._approve(call, request)
+                    if refused is not None:
+                        return refused
                     await self._await_saved(call.plan)
                     return _message(await guarded(call.tool, call.args), request)
                 except Exception as exc:
@@ -393,7 +422,46 @@ class ToolGuard:
             if not peers:
                 self._peers.pop(call.task, None)
 
+    def approval_hash(self, tool: str, args: Any) -> str:
+        """The keyed hash an approval of ``tool`` called with ``args`` must name.
+
+        Keyed with the ledger's current secret (an unkeyed hash of arguments is a
+        dictionary oracle); equal arguments in any order hash alike.
+        """
+        keyring = self.ledger.keyring
+        canonical = canonical_args({"tool": tool, "args": args}, self.ledger.codec)
+        return keyring.fingerprint(keyring.current_id, canonical)
+
     # -- internals ----------------------------------------------------------------------
+
+    def _approve(self, call: _Call, request: ToolCallRequest) -> ToolMessage | None:
+        """Wait for a decision on exactly this call's arguments (``ToolPolicy.approval``).
+
+        None: approved (or no approval needed); a message: rejected. LangGraph's
+        ``interrupt`` stops the run until it is resumed, and a re-run of the task replays
+        the decisions it was given, in order.
+        """
+        if not call.policy.approval:
+            return None
+        from langgraph.types import interrupt  # noqa: PLC0415  (optional dependency)
+
+        digest = self.approval_hash(call.tool, call.args)
+        prompt = {
+            "kind": "onceonly.approval",
+            "tool": call.tool,
+            "args": call.args,
+            "args_hash": digest,
+            "tool_call_id": request.tool_call.get("id"),
+        }
+        while True:  # a decision on anything else asks again
+            decision = interrupt(prompt)
+            if not isinstance(decision, Mapping):
+                continue
+            if decision.get("approve") == digest:
+                return None
+            if decision.get("reject") == digest:
+                reason = str(decision.get("reason") or "the approver refused it")
+                return _refused(request, "NotApproved", reason)
 
     def _place(self, request: ToolCallRequest) -> _Call:
         tool = request.tool_call["name"]
