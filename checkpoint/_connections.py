@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -111,12 +112,40 @@ class _Connections:
             return self.engine.raw_connection(), False  # nested: a pooled one
         if conn is None:
             self._reap_exited()
-            conn = self.engine.raw_connection()
+            me = (weakref.ref(threading.current_thread()), None)
+            with self._pin_lock:  # a place is taken at once: threads start together
+                room = len(self._pinned) < self._pin_limit()
+                if room:
+                    self._pinned.append(me)
+            if not room:
+                # Every pinned connection is held by a live thread for as long as it
+                # lives: pinning one per thread past the pool's capacity would leave the
+                # next thread waiting for a connection nobody returns (a thread pool
+                # wider than the engine's pool, under load). This one is returned at
+                # check-in instead.
+                return self.engine.raw_connection(), False
+            try:
+                conn = self.engine.raw_connection()
+            except BaseException:
+                with self._pin_lock:
+                    self._pinned = [p for p in self._pinned if p is not me]
+                raise
             local.conn = conn
             with self._pin_lock:
-                self._pinned.append((weakref.ref(threading.current_thread()), conn))
+                self._pinned = [(me[0], conn) if p is me else p for p in self._pinned]
         local.busy = True
         return conn, True
+
+    def _pin_limit(self) -> int:
+        """How many threads may keep a connection of their own: the engine pool's
+        capacity less two (a nested read of a thread that holds one, and the writer, still
+        find a connection); unbounded for a pool without a limit."""
+        pool = self.engine.pool
+        size = getattr(pool, "size", None)
+        overflow = getattr(pool, "_max_overflow", -1)
+        if not callable(size) or overflow < 0:
+            return sys.maxsize
+        return max(1, int(size()) + int(overflow) - 2)
 
     def _checkin(self, conn: Any, pinned: bool) -> None:
         if not pinned:
@@ -142,16 +171,19 @@ class _Connections:
         with self._pin_lock:
             conns, self._pinned = self._pinned, []
         for _, conn in conns:
-            with contextlib.suppress(*_engine.DRIVER_ERRORS):
-                conn.close()
+            if conn is not None:  # None: a place taken by a thread still connecting
+                with contextlib.suppress(*_engine.DRIVER_ERRORS):
+                    conn.close()
 
     def _reap_exited(self) -> None:
         """Return the pinned connections of threads that have exited to the pool."""
         with self._pin_lock:
-            gone = [c for t, c in self._pinned if (th := t()) is None or not th.is_alive()]
-            if not gone:
+            live = [(t, c) for t, c in self._pinned if (th := t()) is not None and th.is_alive()]
+            if len(live) == len(self._pinned):
                 return
-            self._pinned = [(t, c) for t, c in self._pinned if c not in gone]
+            kept = {id(c) for _, c in live}
+            gone = [c for _, c in self._pinned if c is not None and id(c) not in kept]
+            self._pinned = live
         for conn in gone:
             with contextlib.suppress(*_engine.DRIVER_ERRORS):
                 conn.close()
