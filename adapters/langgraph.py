@@ -117,6 +117,7 @@ extra, and needs it only when a tool call arrives.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -126,9 +127,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from onceonly.checkpoint.errors import CodecError, ConfigurationError, OnceOnlyError
-from onceonly.ledger import EffectFailed, Ledger, OutcomeClass, ProviderClass
+from onceonly.ledger import EffectFailed, EffectInDoubt, Ledger, OutcomeClass, ProviderClass
 from onceonly.ledger.keys import canonical_args
 
+from . import _langgraph_doubt as _doubt
 from .context import step
 from .guard import Probe, RetryPolicy, guard
 
@@ -143,6 +145,7 @@ __all__ = ["PlanNotDurable", "ToolGuard", "ToolPolicy"]
 _RECORD = "tool_message"  # the recorded result's tag (a probe's result has none)
 _SAVED = 1024  # checkpoints a guard remembers as saved (one read per super-step, not call)
 _FIRST_PAUSE_S = 0.002
+_IN_DOUBT = ("raise", "interrupt")
 _MAX_PAUSE_S = 0.05
 
 
@@ -289,9 +292,18 @@ class ToolGuard:
         checkpoint_wait_s: How long a call waits for the checkpointer to hold the
             checkpoint its super-step was planned from (``async`` durability saves it while
             the step runs) before it is refused with :class:`PlanNotDurable`.
+        in_doubt: What a call the guard cannot settle by evidence does: ``"raise"``
+            (the default, as in earlier releases): :class:`~ledger.EffectInDoubt`
+            propagates out of ``invoke`` and an operator resolves the entry;
+            ``"interrupt"``: the run interrupts with ``{"kind": "onceonly.in_doubt",
+            "tool", "args", "key_id", "epoch", "provider_key", "provider_class",
+            "evidence", "choices", ...}`` and a ``Command(resume={"resolve": key_id,
+            "epoch": epoch, "happened": bool, "actor": ...})`` records the decision in
+            the ledger and replays the call (happened) or sends it once more (did not).
 
     Raises:
-        ConfigurationError: ``checkpoint_wait_s`` is not positive.
+        ConfigurationError: ``checkpoint_wait_s`` is not positive, or ``in_doubt`` is
+            neither ``"raise"`` nor ``"interrupt"``.
     """
 
     def __init__(
@@ -303,9 +315,13 @@ class ToolGuard:
         tenant: str = "",
         messages_key: str = "messages",
         checkpoint_wait_s: float = 30.0,
+        in_doubt: str = "raise",
     ) -> None:
         if not checkpoint_wait_s > 0:
             raise ConfigurationError("checkpoint_wait_s must be > 0")
+        if in_doubt not in _IN_DOUBT:
+            raise ConfigurationError(f"in_doubt must be 'raise' or 'interrupt', not {in_doubt!r}")
+        self.in_doubt = in_doubt
         self.ledger = ledger
         self.policies = dict(policies or {})
         self.default = default or ToolPolicy()
@@ -369,14 +385,21 @@ class ToolGuard:
 
         guarded = self._guard(call)(act)
         self._wait_saved(call.plan)
-        with step(call.run_id, call.step_id, tenant=self.tenant):
-            try:
-                return _message(guarded(call.tool, call.args), request)
-            except Exception as exc:
-                answer = _answer(call, request, exc)
-                if answer is None:
-                    raise
-                return answer
+        refusal = ""
+        while True:  # each round: act or replay; in doubt: ask, record, go again
+            with step(call.run_id, call.step_id, tenant=self.tenant):  # the same key each round
+                try:
+                    return _message(guarded(call.tool, call.args), request)
+                except Exception as exc:
+                    answer = self._in_doubt(call, request, exc)
+                    if isinstance(answer, _doubt.Doubt):
+                        refusal = self._ask(call, request, answer, refusal)
+                        continue
+                    if answer is None:
+                        answer = _answer(call, request, exc)
+                    if answer is None:
+                        raise
+                    return answer
 
     async def awrap_tool_call(
         self,
@@ -408,7 +431,19 @@ class ToolGuard:
                     if refused is not None:
                         return refused
                     await self._await_saved(call.plan)
-                    return _message(await guarded(call.tool, call.args), request)
+                    refusal = ""
+                    while True:  # as in wrap_tool_call
+                        try:
+                            with step(call.run_id, call.step_id, tenant=self.tenant):
+                                answer = await guarded(call.tool, call.args)
+                            return _message(answer, request)
+                        except Exception as exc:
+                            doubt = await self._ain_doubt(call, request, exc)
+                            if not isinstance(doubt, _doubt.Doubt):
+                                if doubt is None:
+                                    raise
+                                return doubt
+                            refusal = await self._aask(call, request, doubt, refusal)
                 except Exception as exc:
                     answer = _answer(call, request, exc)
                     if answer is None:
@@ -433,6 +468,51 @@ class ToolGuard:
         return keyring.fingerprint(keyring.current_id, canonical)
 
     # -- internals ----------------------------------------------------------------------
+
+    def _in_doubt(
+        self, call: _Call, request: ToolCallRequest, exc: Exception
+    ) -> _doubt.Doubt | ToolMessage | None:
+        """With ``in_doubt="interrupt"``: the entry to ask about, or the answer to a call
+        resolved as happened without its result; None: ``exc`` goes its usual way."""
+        if self.in_doubt != "interrupt":
+            return None
+        said = _doubt.unknown_result(exc, call.tool)
+        if said is not None:
+            return _told(request, said)
+        return _doubt.doubt_of(self.ledger, exc)
+
+    async def _ain_doubt(
+        self, call: _Call, request: ToolCallRequest, exc: Exception
+    ) -> _doubt.Doubt | ToolMessage | None:
+        """The async twin of :meth:`_in_doubt` (the ledger read off the event loop)."""
+        if self.in_doubt != "interrupt" or not isinstance(exc, EffectInDoubt):
+            return self._in_doubt(call, request, exc)  # no I/O on these paths
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.ledger.executor(), functools.partial(_doubt.doubt_of, self.ledger, exc)
+        )
+
+    def _ask(self, call: _Call, request: ToolCallRequest, doubt: _doubt.Doubt, refusal: str) -> str:
+        """Interrupt with the in-doubt prompt; record the decision. Returns why a decision
+        was not taken ("" if it was): the next prompt says so."""
+        from langgraph.types import interrupt  # noqa: PLC0415  (optional dependency)
+
+        value = _doubt.prompt(doubt, call.tool, call.args, request.tool_call.get("id"), refusal)
+        return _doubt.decide(self.ledger, doubt, interrupt(value), call.run_id)
+
+    async def _aask(
+        self, call: _Call, request: ToolCallRequest, doubt: _doubt.Doubt, refusal: str
+    ) -> str:
+        """The async twin of :meth:`_ask`."""
+        from langgraph.types import interrupt  # noqa: PLC0415  (optional dependency)
+
+        value = _doubt.prompt(doubt, call.tool, call.args, request.tool_call.get("id"), refusal)
+        decision = interrupt(value)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.ledger.executor(),
+            functools.partial(_doubt.decide, self.ledger, doubt, decision, call.run_id),
+        )
 
     def _approve(self, call: _Call, request: ToolCallRequest) -> ToolMessage | None:
         """Wait for a decision on exactly this call's arguments (``ToolPolicy.approval``).
@@ -747,6 +827,15 @@ def _message(recorded: Any, request: ToolCallRequest) -> ToolMessage:
     # A probe's or an operator's result: the provider's answer becomes the content.
     content = recorded if isinstance(recorded, str) else json.dumps(recorded, sort_keys=True)
     return ToolMessage(content=content, name=name, tool_call_id=call_id)
+
+
+def _told(request: ToolCallRequest, content: str) -> ToolMessage:
+    """A message to the model that is not the tool's own answer."""
+    from langchain_core.messages import ToolMessage  # noqa: PLC0415  (optional dependency)
+
+    return ToolMessage(
+        content=content, name=request.tool_call["name"], tool_call_id=request.tool_call["id"] or ""
+    )
 
 
 def _refused(request: ToolCallRequest, error_type: str, message: str) -> ToolMessage:
