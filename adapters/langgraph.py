@@ -117,6 +117,7 @@ extra, and needs it only when a tool call arrives.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import threading
@@ -131,6 +132,7 @@ from onceonly.ledger import EffectFailed, EffectInDoubt, Ledger, OutcomeClass, P
 from onceonly.ledger.keys import canonical_args
 
 from . import _langgraph_doubt as _doubt
+from . import _langgraph_fork as _fork
 from .context import step
 from .guard import Probe, RetryPolicy, guard
 
@@ -146,6 +148,7 @@ _RECORD = "tool_message"  # the recorded result's tag (a probe's result has none
 _SAVED = 1024  # checkpoints a guard remembers as saved (one read per super-step, not call)
 _FIRST_PAUSE_S = 0.002
 _IN_DOUBT = ("raise", "interrupt")
+_FORKS = ("replay", "act")
 _MAX_PAUSE_S = 0.05
 
 
@@ -301,9 +304,17 @@ class ToolGuard:
             "epoch": epoch, "happened": bool, "actor": ...})`` records the decision in
             the ledger and replays the call (happened) or sends it once more (did not).
 
+        forks: A time-travel fork (``invoke(None, past_config)``) re-runs the super-steps
+            after the checkpoint it copies. ``"replay"`` (the default): a call the fork
+            makes with the same arguments at the same position as a call already made
+            from that checkpoint (by the original run or an earlier fork) replays its
+            recorded result; other arguments make a new call, once per fork of that
+            checkpoint with those arguments. ``"act"``: every fork acts anew.
+
     Raises:
-        ConfigurationError: ``checkpoint_wait_s`` is not positive, or ``in_doubt`` is
-            neither ``"raise"`` nor ``"interrupt"``.
+        ConfigurationError: ``checkpoint_wait_s`` is not positive, ``in_doubt`` is
+            neither ``"raise"`` nor ``"interrupt"``, or ``forks`` neither ``"replay"``
+            nor ``"act"``.
     """
 
     def __init__(
@@ -316,12 +327,16 @@ class ToolGuard:
         messages_key: str = "messages",
         checkpoint_wait_s: float = 30.0,
         in_doubt: str = "raise",
+        forks: str = "replay",
     ) -> None:
         if not checkpoint_wait_s > 0:
             raise ConfigurationError("checkpoint_wait_s must be > 0")
         if in_doubt not in _IN_DOUBT:
             raise ConfigurationError(f"in_doubt must be 'raise' or 'interrupt', not {in_doubt!r}")
+        if forks not in _FORKS:
+            raise ConfigurationError(f"forks must be 'replay' or 'act', not {forks!r}")
         self.in_doubt = in_doubt
+        self.forks = forks
         self.ledger = ledger
         self.policies = dict(policies or {})
         self.default = default or ToolPolicy()
@@ -329,7 +344,8 @@ class ToolGuard:
         self.messages_key = messages_key
         self.checkpoint_wait_s = checkpoint_wait_s
         self._peers: dict[tuple[str, str], set[asyncio.Event]] = {}  # per running task
-        self._saved: OrderedDict[tuple[str, str, str], None] = OrderedDict()
+        # (thread, ns, checkpoint id) -> its metadata's source ("fork": a time-travel copy)
+        self._saved: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self._saved_lock = threading.Lock()  # ToolNode runs a message's calls in threads
 
     def policy(self, tool: str) -> ToolPolicy:
@@ -385,6 +401,8 @@ class ToolGuard:
 
         guarded = self._guard(call)(act)
         self._wait_saved(call.plan)
+        if self._maybe_fork(call):
+            call = self._forked(call, request)
         refusal = ""
         while True:  # each round: act or replay; in doubt: ask, record, go again
             with step(call.run_id, call.step_id, tenant=self.tenant):  # the same key each round
@@ -431,6 +449,8 @@ class ToolGuard:
                     if refused is not None:
                         return refused
                     await self._await_saved(call.plan)
+                    if self._maybe_fork(call):
+                        call = await asyncio.to_thread(self._forked, call, request)
                     refusal = ""
                     while True:  # as in wrap_tool_call
                         try:
@@ -559,13 +579,47 @@ class ToolGuard:
             _plan(request, run_id),
         )
 
+    def _maybe_fork(self, call: _Call) -> bool:
+        """Whether the call's super-step may have been planned from a time-travel fork
+        (``forks="replay"``): its checkpoint is one, or was not read (no I/O otherwise)."""
+        if self.forks != "replay":
+            return False
+        with self._saved_lock:
+            source = self._saved.get((call.plan.thread_id, *call.plan.checkpoints[-1]))
+        return source is None or source == "fork"
+
+    def _forked(self, call: _Call, request: ToolCallRequest) -> _Call:
+        """The call placed as the same call from the checkpoint its fork copies (see
+        ``ToolGuard(forks=...)``); unchanged when its checkpoint is no fork."""
+        plan = call.plan
+        graph_ns, checkpoint_id = plan.checkpoints[-1]
+        ns = str(getattr(request.runtime.execution_info, "checkpoint_ns", ""))
+        metadata = (getattr(request.runtime, "config", None) or {}).get("metadata", {})
+        origin = _fork.origin_namespace(
+            plan.saver.get_tuple, plan.thread_id, graph_ns, checkpoint_id, ns, metadata
+        )
+        if origin is None or not call.step_id.startswith(ns):
+            return call
+        step_id = origin + call.step_id[len(ns) :]
+        effect = call.policy.effect or f"{call.tool}@1"
+        made = self.ledger.effects(run_id=call.run_id, step_id=step_id, effect=effect)
+        if made:
+            keyring = self.ledger.keyring
+            canonical = canonical_args({"tool": call.tool, "args": call.args}, self.ledger.codec)
+            if not any(e.fingerprint == keyring.fingerprint(e.secret_id, canonical) for e in made):
+                # Other arguments than the call made from that checkpoint: a new call,
+                # placed by its arguments so that the same fork taken again replays it.
+                step_id += f"/args:{self.approval_hash(call.tool, call.args)[:32]}"
+        return dataclasses.replace(call, step_id=step_id)
+
     def _unsaved(self, plan: _Plan) -> list[tuple[str, str]]:
         with self._saved_lock:
             return [c for c in plan.checkpoints if (plan.thread_id, *c) not in self._saved]
 
-    def _remember(self, plan: _Plan, checkpoint: tuple[str, str]) -> None:
+    def _remember(self, plan: _Plan, checkpoint: tuple[str, str], saved: Any) -> None:
+        source = str((getattr(saved, "metadata", None) or {}).get("source", ""))
         with self._saved_lock:
-            self._saved[(plan.thread_id, *checkpoint)] = None
+            self._saved[(plan.thread_id, *checkpoint)] = source
             while len(self._saved) > _SAVED:
                 self._saved.popitem(last=False)
 
@@ -574,20 +628,20 @@ class ToolGuard:
         deadline = time.monotonic() + self.checkpoint_wait_s
         pause = _FIRST_PAUSE_S
         for checkpoint in self._unsaved(plan):
-            while plan.saver.get_tuple(plan.config(*checkpoint)) is None:
+            while (saved := plan.saver.get_tuple(plan.config(*checkpoint))) is None:
                 pause = self._pause(plan, checkpoint, deadline, pause)
                 time.sleep(pause)
-            self._remember(plan, checkpoint)
+            self._remember(plan, checkpoint, saved)
 
     async def _await_saved(self, plan: _Plan) -> None:
         """The async twin of :meth:`_wait_saved`."""
         deadline = time.monotonic() + self.checkpoint_wait_s
         pause = _FIRST_PAUSE_S
         for checkpoint in self._unsaved(plan):
-            while await _aget_tuple(plan.saver, plan.config(*checkpoint)) is None:
+            while (saved := await _aget_tuple(plan.saver, plan.config(*checkpoint))) is None:
                 pause = self._pause(plan, checkpoint, deadline, pause)
                 await asyncio.sleep(pause)
-            self._remember(plan, checkpoint)
+            self._remember(plan, checkpoint, saved)
 
     def _pause(
         self, plan: _Plan, checkpoint: tuple[str, str], deadline: float, pause: float
