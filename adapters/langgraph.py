@@ -119,13 +119,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from onceonly.checkpoint.errors import CodecError, ConfigurationError, OnceOnlyError
 from onceonly.ledger import EffectFailed, EffectInDoubt, Ledger, OutcomeClass, ProviderClass
@@ -143,6 +144,9 @@ if TYPE_CHECKING:
     from langgraph.types import Command
 
 __all__ = ["PlanNotDurable", "ToolGuard", "ToolPolicy"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _RECORD = "tool_message"  # the recorded result's tag (a probe's result has none)
 _SAVED = 1024  # checkpoints a guard remembers as saved (one read per super-step, not call)
@@ -487,6 +491,98 @@ class ToolGuard:
         canonical = canonical_args({"tool": tool, "args": args}, self.ledger.codec)
         return keyring.fingerprint(keyring.current_id, canonical)
 
+    def middleware(self) -> Any:
+        """This guard as a langchain ``create_agent`` middleware (``AgentMiddleware``).
+
+        ``create_agent(model, tools, middleware=[guard.middleware()], checkpointer=...)``
+        sends every tool call of the agent through :meth:`wrap_tool_call` /
+        :meth:`awrap_tool_call`. Needs ``langchain`` (``pip install
+        "onceonly[langchain]"``).
+
+        Raises:
+            ConfigurationError: ``langchain`` is not installed.
+        """
+        try:
+            from langchain.agents.middleware import (  # noqa: PLC0415  (optional dependency)
+                AgentMiddleware,
+            )
+        except ImportError as exc:
+            raise ConfigurationError(
+                'ToolGuard.middleware() needs langchain: pip install "onceonly[langchain]"'
+            ) from exc
+        owner = self
+
+        class OnceOnlyToolGuard(AgentMiddleware):
+            """Runs each of the agent's tool calls once (``onceonly`` ``ToolGuard``)."""
+
+            def wrap_tool_call(
+                self,
+                request: ToolCallRequest,
+                handler: Callable[[ToolCallRequest], ToolMessage | Command[Any]],
+            ) -> ToolMessage | Command[Any]:
+                return owner.wrap_tool_call(request, handler)
+
+            async def awrap_tool_call(
+                self,
+                request: ToolCallRequest,
+                handler: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
+            ) -> ToolMessage | Command[Any]:
+                return await owner.awrap_tool_call(request, handler)
+
+        return OnceOnlyToolGuard()
+
+    def task(
+        self, name: str, *, policy: ToolPolicy | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Guard the body of a functional-API ``@task`` (sync or ``async``)::
+
+            @task
+            @guard.task("book_room")
+            def book_room(room: str, night: str) -> dict: ...
+
+        The body's effect happens once: LangGraph re-runs a task whose result it did not
+        save (a crash after the effect), and the re-run replays the recorded result. The
+        key is placed by the task's ``checkpoint_ns`` (its deterministic task id, derived
+        from the entrypoint's checkpoint, its call path and its index), like a tool call;
+        the arguments are fingerprinted and the result recorded, so both must be
+        codec-encodable. The call waits for the checkpoint its task was planned from, as
+        tool calls do. An in-doubt call raises :class:`~ledger.EffectInDoubt`.
+
+        Args:
+            name: The effect's name (``"<name>@1"`` unless the policy names one); the
+                policy is ``policy`` or :meth:`policy` of ``name``.
+            policy: Overrides the guard's policy for ``name``.
+
+        Raises:
+            ConfigurationError: Called outside a run with a checkpointer and a thread.
+        """
+        chosen = policy or self.policy(name)
+        classify = _classifier(chosen)
+
+        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+            guarded = self._guard_as(chosen, name, classify)(fn)
+            if inspect.iscoroutinefunction(fn):
+
+                @functools.wraps(fn)
+                async def aguarded(*args: Any, **kwargs: Any) -> Any:
+                    thread, ns, plan = self._task_position(name)
+                    await self._await_saved(plan)
+                    with step(thread, ns, tenant=self.tenant):
+                        return await guarded(*args, **kwargs)
+
+                return cast(Callable[P, R], aguarded)
+
+            @functools.wraps(fn)
+            def sguarded(*args: P.args, **kwargs: P.kwargs) -> R:
+                thread, ns, plan = self._task_position(name)
+                self._wait_saved(plan)
+                with step(thread, ns, tenant=self.tenant):
+                    return cast(R, guarded(*args, **kwargs))
+
+            return sguarded
+
+        return decorate
+
     # -- internals ----------------------------------------------------------------------
 
     def _in_doubt(
@@ -580,13 +676,13 @@ class ToolGuard:
         )
 
     def _maybe_fork(self, call: _Call) -> bool:
-        """Whether the call's super-step may have been planned from a time-travel fork
-        (``forks="replay"``): its checkpoint is one, or was not read (no I/O otherwise)."""
+        """Whether the call's super-step was planned from a time-travel fork
+        (``forks="replay"``), as the wait for its checkpoint read it (no I/O here)."""
         if self.forks != "replay":
             return False
         with self._saved_lock:
             source = self._saved.get((call.plan.thread_id, *call.plan.checkpoints[-1]))
-        return source is None or source == "fork"
+        return source == "fork"
 
     def _forked(self, call: _Call, request: ToolCallRequest) -> _Call:
         """The call placed as the same call from the checkpoint its fork copies (see
@@ -660,16 +756,47 @@ class ToolGuard:
         return min(pause * 2, _MAX_PAUSE_S, left)
 
     def _guard(self, call: _Call) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        policy = call.policy
+        return self._guard_as(call.policy, call.tool, call.classify)
+
+    def _guard_as(
+        self, policy: ToolPolicy, name: str, classify: Callable[[BaseException], OutcomeClass]
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return guard(
             self.ledger,
-            effect=policy.effect or f"{call.tool}@1",
+            effect=policy.effect or f"{name}@1",
             provider_class=policy.provider_class,
             window_s=policy.window_s,
             retry=policy.retry,
-            classify=call.classify,
+            classify=classify,
             probe=policy.probe,
         )
+
+    def _task_position(self, name: str) -> tuple[str, str, _Plan]:
+        """The run, step and plan of the functional-API task now running (for :meth:`task`)."""
+        from langgraph.config import get_config  # noqa: PLC0415  (optional dependency)
+
+        try:
+            conf: Mapping[str, Any] = get_config().get("configurable", {})
+        except RuntimeError as exc:
+            raise ConfigurationError(
+                f"the guarded task {name!r} was called outside a LangGraph run: call it from "
+                "an @entrypoint (or a graph node) compiled with a checkpointer"
+            ) from exc
+        thread = conf.get("thread_id")
+        if not thread:
+            raise ConfigurationError(
+                f"the guarded task {name!r} needs a run with a thread_id and a checkpointer: "
+                "without them there is no resume to protect and no stable key"
+            )
+        ns = str(conf.get("checkpoint_ns", ""))
+        plan = plan_of(conf, str(thread), None, f"the guarded task {name!r}")
+        # A task called from an entrypoint's task maps that task's namespace to its
+        # graph's checkpoint as well; only a graph's own namespace has checkpoints saved.
+        own: list[tuple[str, str]] = []
+        for checkpoint in plan.checkpoints:
+            if not own or own[-1][1] != checkpoint[1]:
+                own.append(checkpoint)
+        return str(thread), ns, dataclasses.replace(plan, checkpoints=tuple(own))
 
 
 def _plan(request: ToolCallRequest, thread_id: str) -> _Plan:
@@ -680,29 +807,38 @@ def _plan(request: ToolCallRequest, thread_id: str) -> _Plan:
     key) derives from the innermost, and its namespace holds the enclosing tasks' ids,
     derived from the others.
     """
+    info = request.runtime.execution_info
+    conf: Mapping[str, Any] = (getattr(request.runtime, "config", None) or {}).get(
+        "configurable", {}
+    )
+    fallback = None if info is None else (info.checkpoint_ns, info.checkpoint_id)
+    return plan_of(conf, thread_id, fallback, "a guarded ToolNode")
+
+
+def plan_of(
+    conf: Mapping[str, Any], thread_id: str, fallback: tuple[str, str] | None, what: str
+) -> _Plan:
+    """:func:`_plan` from a task's ``configurable`` (``fallback``: the task's namespace
+    and checkpoint id when the config has no ``checkpoint_map``)."""
     from langgraph._internal._constants import (  # noqa: PLC0415  (optional dependency)
         CONFIG_KEY_CHECKPOINT_MAP,
         CONFIG_KEY_CHECKPOINTER,
         CONFIG_KEY_DURABILITY,
     )
 
-    info = request.runtime.execution_info
-    conf: Mapping[str, Any] = (getattr(request.runtime, "config", None) or {}).get(
-        "configurable", {}
-    )
     saver = conf.get(CONFIG_KEY_CHECKPOINTER)
     if saver is None:
         raise ConfigurationError(
-            "a guarded ToolNode must run in a graph compiled with a checkpointer: without "
-            "one there is no resume to protect and no stable key"
+            f"{what} must run in a graph compiled with a checkpointer: without one there is "
+            "no resume to protect and no stable key"
         )
     mapped = conf.get(CONFIG_KEY_CHECKPOINT_MAP)
-    if not mapped and info is not None:
-        mapped = {info.checkpoint_ns.rpartition("|")[0]: info.checkpoint_id}
+    if not mapped and fallback is not None:
+        mapped = {fallback[0].rpartition("|")[0]: fallback[1]}
     if not mapped:
         raise ConfigurationError(
-            "cannot tell which checkpoint this tool call was planned from (no checkpoint_map "
-            "in its config): nothing was sent"
+            "cannot tell which checkpoint this call was planned from (no checkpoint_map in "
+            "its config): nothing was sent"
         )
     # LangGraph's default (it stores the mode in the config only when one is given).
     durability = str(conf.get(CONFIG_KEY_DURABILITY) or "async")
