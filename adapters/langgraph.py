@@ -25,11 +25,10 @@ by the model's ``tool_call_id`` (a re-planned message gets new ids)::
 subgraph; ``task_id`` is LangGraph's deterministic uuid5 of the checkpoint the super-step
 starts from, the namespace, the step number, the node and its trigger. Resuming the same
 super-step (from the same checkpoint, in any process) yields the same task id; the next
-super-step, a loop back through the node, ``update_state`` and a time-travel fork
-(``invoke(None, past_config)``, for which LangGraph writes a new checkpoint) yield new
-ones, so those act anew. ``run_id``, ``node_attempt`` and
-``node_first_attempt_time`` change on every resume or node retry and are not used, which
-is also why ``visit`` is 0: a node retry is the same visit.
+super-step, a loop back through the node and ``update_state`` yield new ones, so those
+act anew (a time-travel fork does too, but see **Forks** below). ``run_id``,
+``node_attempt`` and ``node_first_attempt_time`` change on every resume or node retry and
+are not used, which is also why ``visit`` is 0: a node retry is the same visit.
 
 One task may run several batches of calls: a node that calls a model and a ``ToolNode``
 in a loop invokes the ``ToolNode`` once per model turn, in one task. So a call is placed
@@ -89,7 +88,21 @@ ambiguous) and a retry policy. A tool exception is classified by evidence:
   :class:`~ledger.EffectInDoubt` propagates out of ``invoke``: **the run stops**. The
   model is never told "error, try again" about a call that may have happened (it would
   re-plan and act twice); an operator resolves the entry (``onceonly effects resolve``)
-  and the run resumes with ``invoke(None, config)``.
+  and the run resumes with ``invoke(None, config)``. With
+  ``ToolGuard(in_doubt="interrupt")`` the call interrupts the run instead, and a
+  ``Command(resume={"resolve": key_id, "epoch": epoch, "happened": ..., "actor": ...})``
+  records the decision and goes on (:mod:`adapters._langgraph_doubt`).
+
+**Forks.** A time-travel fork runs from a copy of the past checkpoint with a new id, so
+its tasks get new ids. With ``forks="replay"`` (the default) a call in the super-step a
+fork starts with is placed as the same call from the checkpoint the fork copies
+(:mod:`adapters._langgraph_fork`): the same arguments replay what was made from there;
+other arguments get a position of their own, keyed by their hash. ``forks="act"``:
+every fork acts anew.
+
+**Shapes.** :meth:`ToolGuard.middleware` is the guard as a langchain ``create_agent``
+middleware; :meth:`ToolGuard.task` guards a functional-API ``@task`` body, keyed by the
+task's ``checkpoint_ns``.
 
 Keep ``ToolNode``'s default ``handle_tool_errors`` (it re-raises everything but argument
 validation errors): with ``handle_tool_errors=True`` the node turns tool exceptions into
