@@ -9,6 +9,7 @@ the same test in ``tests/test_langgraph_durability.py``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from langgraph.func import entrypoint, task
 
 from onceonly.adapters.langgraph import ToolGuard
 from onceonly.checkpoint import ConfigurationError
+from onceonly.ledger import EffectStatus
 from tests.http_fake import FakeProvider
 from tests.ledger_support import Ledgers
 
@@ -149,3 +151,28 @@ def test_the_middleware_without_langchain_says_what_to_install(
     monkeypatch.setitem(sys.modules, "langchain.agents.middleware", None)  # not installed
     with pytest.raises(ConfigurationError, match=r"pip install \"onceonly\[langchain\]\""):
         guard.middleware()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_an_async_guarded_task_records_its_result(ledgers: Ledgers) -> None:
+    ledger = ledgers.fresh()
+    guard = ToolGuard(ledger)
+    sent: list[str] = []
+
+    @task
+    @guard.task("hold_room")
+    async def hold_room(room: str) -> str:
+        sent.append(room)
+        return f"held {room}"
+
+    @entrypoint(checkpointer=InMemorySaver())
+    async def workflow(room: str) -> str:
+        return await hold_room(room)
+
+    config: Any = {"configurable": {"thread_id": "t-1"}}
+    assert asyncio.run(workflow.ainvoke("r-12", config)) == "held r-12"
+    assert sent == ["r-12"]
+    [entry] = ledger.effects(run_id="t-1", effect="hold_room@1")
+    assert entry.status is EffectStatus.COMMITTED
+    assert entry.step_id is not None
+    assert entry.step_id.startswith("workflow:")
