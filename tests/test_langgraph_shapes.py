@@ -24,6 +24,7 @@ from langgraph.func import entrypoint, task
 from onceonly.adapters.langgraph import ToolGuard
 from onceonly.checkpoint import ConfigurationError
 from onceonly.ledger import EffectStatus
+from tests.conftest import BACKENDS
 from tests.http_fake import FakeProvider
 from tests.ledger_support import Ledgers
 
@@ -92,7 +93,15 @@ def check_one_booking(fake: FakeProvider, final: Any, shape: str) -> None:
     assert booked == booking
 
 
-@pytest.mark.parametrize("shape", ["agent", "task"])
+# The agent on every backend; the task's ledger calls are the same, so SQLite suffices
+# for it (four child processes a case: CI time).
+CASES = [
+    *(pytest.param(backend, "agent", id=f"{backend}-agent") for backend in BACKENDS),
+    pytest.param("sqlite", "task", id="sqlite-task"),
+]
+
+
+@pytest.mark.parametrize(("db_url", "shape"), CASES, indirect=["db_url"])
 def test_a_killed_run_resumes_in_a_fresh_process_with_one_booking(
     fake: FakeProvider, ledgers: Ledgers, db_url: str, tmp_path: Path, shape: str
 ) -> None:
