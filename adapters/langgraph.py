@@ -25,11 +25,10 @@ by the model's ``tool_call_id`` (a re-planned message gets new ids)::
 subgraph; ``task_id`` is LangGraph's deterministic uuid5 of the checkpoint the super-step
 starts from, the namespace, the step number, the node and its trigger. Resuming the same
 super-step (from the same checkpoint, in any process) yields the same task id; the next
-super-step, a loop back through the node, ``update_state`` and a time-travel fork
-(``invoke(None, past_config)``, for which LangGraph writes a new checkpoint) yield new
-ones, so those act anew. ``run_id``, ``node_attempt`` and
-``node_first_attempt_time`` change on every resume or node retry and are not used, which
-is also why ``visit`` is 0: a node retry is the same visit.
+super-step, a loop back through the node and ``update_state`` yield new ones, so those
+act anew (a time-travel fork does too, but see **Forks** below). ``run_id``,
+``node_attempt`` and ``node_first_attempt_time`` change on every resume or node retry and
+are not used, which is also why ``visit`` is 0: a node retry is the same visit.
 
 One task may run several batches of calls: a node that calls a model and a ``ToolNode``
 in a loop invokes the ``ToolNode`` once per model turn, in one task. So a call is placed
@@ -89,7 +88,21 @@ ambiguous) and a retry policy. A tool exception is classified by evidence:
   :class:`~ledger.EffectInDoubt` propagates out of ``invoke``: **the run stops**. The
   model is never told "error, try again" about a call that may have happened (it would
   re-plan and act twice); an operator resolves the entry (``onceonly effects resolve``)
-  and the run resumes with ``invoke(None, config)``.
+  and the run resumes with ``invoke(None, config)``. With
+  ``ToolGuard(in_doubt="interrupt")`` the call interrupts the run instead, and a
+  ``Command(resume={"resolve": key_id, "epoch": epoch, "happened": ..., "actor": ...})``
+  records the decision and goes on (:mod:`adapters._langgraph_doubt`).
+
+**Forks.** A time-travel fork runs from a copy of the past checkpoint with a new id, so
+its tasks get new ids. With ``forks="replay"`` (the default) a call in the super-step a
+fork starts with is placed as the same call from the checkpoint the fork copies
+(:mod:`adapters._langgraph_fork`): the same arguments replay what was made from there;
+other arguments get a position of their own, keyed by their hash. ``forks="act"``:
+every fork acts anew.
+
+**Shapes.** :meth:`ToolGuard.middleware` is the guard as a langchain ``create_agent``
+middleware; :meth:`ToolGuard.task` guards a functional-API ``@task`` body, keyed by the
+task's ``checkpoint_ns``.
 
 Keep ``ToolNode``'s default ``handle_tool_errors`` (it re-raises everything but argument
 validation errors): with ``handle_tool_errors=True`` the node turns tool exceptions into
@@ -117,18 +130,23 @@ extra, and needs it only when a tool call arrives.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import inspect
 import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from onceonly.checkpoint.errors import CodecError, ConfigurationError, OnceOnlyError
-from onceonly.ledger import EffectFailed, Ledger, OutcomeClass, ProviderClass
+from onceonly.ledger import EffectFailed, EffectInDoubt, Ledger, OutcomeClass, ProviderClass
 from onceonly.ledger.keys import canonical_args
 
+from . import _langgraph_doubt as _doubt
+from . import _langgraph_fork as _fork
 from .context import step
 from .guard import Probe, RetryPolicy, guard
 
@@ -140,9 +158,14 @@ if TYPE_CHECKING:
 
 __all__ = ["PlanNotDurable", "ToolGuard", "ToolPolicy"]
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 _RECORD = "tool_message"  # the recorded result's tag (a probe's result has none)
 _SAVED = 1024  # checkpoints a guard remembers as saved (one read per super-step, not call)
 _FIRST_PAUSE_S = 0.002
+_IN_DOUBT = ("raise", "interrupt")
+_FORKS = ("replay", "act")
 _MAX_PAUSE_S = 0.05
 
 
@@ -289,9 +312,26 @@ class ToolGuard:
         checkpoint_wait_s: How long a call waits for the checkpointer to hold the
             checkpoint its super-step was planned from (``async`` durability saves it while
             the step runs) before it is refused with :class:`PlanNotDurable`.
+        in_doubt: What a call the guard cannot settle by evidence does: ``"raise"``
+            (the default, as in earlier releases): :class:`~ledger.EffectInDoubt`
+            propagates out of ``invoke`` and an operator resolves the entry;
+            ``"interrupt"``: the run interrupts with ``{"kind": "onceonly.in_doubt",
+            "tool", "args", "key_id", "epoch", "provider_key", "provider_class",
+            "evidence", "choices", ...}`` and a ``Command(resume={"resolve": key_id,
+            "epoch": epoch, "happened": bool, "actor": ...})`` records the decision in
+            the ledger and replays the call (happened) or sends it once more (did not).
+
+        forks: A time-travel fork (``invoke(None, past_config)``) re-runs the super-steps
+            after the checkpoint it copies. ``"replay"`` (the default): a call the fork
+            makes with the same arguments at the same position as a call already made
+            from that checkpoint (by the original run or an earlier fork) replays its
+            recorded result; other arguments make a new call, once per fork of that
+            checkpoint with those arguments. ``"act"``: every fork acts anew.
 
     Raises:
-        ConfigurationError: ``checkpoint_wait_s`` is not positive.
+        ConfigurationError: ``checkpoint_wait_s`` is not positive, ``in_doubt`` is
+            neither ``"raise"`` nor ``"interrupt"``, or ``forks`` neither ``"replay"``
+            nor ``"act"``.
     """
 
     def __init__(
@@ -303,9 +343,17 @@ class ToolGuard:
         tenant: str = "",
         messages_key: str = "messages",
         checkpoint_wait_s: float = 30.0,
+        in_doubt: str = "raise",
+        forks: str = "replay",
     ) -> None:
         if not checkpoint_wait_s > 0:
             raise ConfigurationError("checkpoint_wait_s must be > 0")
+        if in_doubt not in _IN_DOUBT:
+            raise ConfigurationError(f"in_doubt must be 'raise' or 'interrupt', not {in_doubt!r}")
+        if forks not in _FORKS:
+            raise ConfigurationError(f"forks must be 'replay' or 'act', not {forks!r}")
+        self.in_doubt = in_doubt
+        self.forks = forks
         self.ledger = ledger
         self.policies = dict(policies or {})
         self.default = default or ToolPolicy()
@@ -313,7 +361,8 @@ class ToolGuard:
         self.messages_key = messages_key
         self.checkpoint_wait_s = checkpoint_wait_s
         self._peers: dict[tuple[str, str], set[asyncio.Event]] = {}  # per running task
-        self._saved: OrderedDict[tuple[str, str, str], None] = OrderedDict()
+        # (thread, ns, checkpoint id) -> its metadata's source ("fork": a time-travel copy)
+        self._saved: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self._saved_lock = threading.Lock()  # ToolNode runs a message's calls in threads
 
     def policy(self, tool: str) -> ToolPolicy:
@@ -369,14 +418,23 @@ class ToolGuard:
 
         guarded = self._guard(call)(act)
         self._wait_saved(call.plan)
-        with step(call.run_id, call.step_id, tenant=self.tenant):
-            try:
-                return _message(guarded(call.tool, call.args), request)
-            except Exception as exc:
-                answer = _answer(call, request, exc)
-                if answer is None:
-                    raise
-                return answer
+        if self._maybe_fork(call):
+            call = self._forked(call, request)
+        refusal = ""
+        while True:  # each round: act or replay; in doubt: ask, record, go again
+            with step(call.run_id, call.step_id, tenant=self.tenant):  # the same key each round
+                try:
+                    return _message(guarded(call.tool, call.args), request)
+                except Exception as exc:
+                    answer = self._in_doubt(call, request, exc)
+                    if isinstance(answer, _doubt.Doubt):
+                        refusal = self._ask(call, request, answer, refusal)
+                        continue
+                    if answer is None:
+                        answer = _answer(call, request, exc)
+                    if answer is None:
+                        raise
+                    return answer
 
     async def awrap_tool_call(
         self,
@@ -408,7 +466,21 @@ class ToolGuard:
                     if refused is not None:
                         return refused
                     await self._await_saved(call.plan)
-                    return _message(await guarded(call.tool, call.args), request)
+                    if self._maybe_fork(call):
+                        call = await asyncio.to_thread(self._forked, call, request)
+                    refusal = ""
+                    while True:  # as in wrap_tool_call
+                        try:
+                            with step(call.run_id, call.step_id, tenant=self.tenant):
+                                answer = await guarded(call.tool, call.args)
+                            return _message(answer, request)
+                        except Exception as exc:
+                            doubt = await self._ain_doubt(call, request, exc)
+                            if not isinstance(doubt, _doubt.Doubt):
+                                if doubt is None:
+                                    raise
+                                return doubt
+                            refusal = await self._aask(call, request, doubt, refusal)
                 except Exception as exc:
                     answer = _answer(call, request, exc)
                     if answer is None:
@@ -432,7 +504,144 @@ class ToolGuard:
         canonical = canonical_args({"tool": tool, "args": args}, self.ledger.codec)
         return keyring.fingerprint(keyring.current_id, canonical)
 
+    def middleware(self) -> Any:
+        """This guard as a langchain ``create_agent`` middleware (``AgentMiddleware``).
+
+        ``create_agent(model, tools, middleware=[guard.middleware()], checkpointer=...)``
+        sends every tool call of the agent through :meth:`wrap_tool_call` /
+        :meth:`awrap_tool_call`. Needs ``langchain`` (``pip install
+        "onceonly[langchain]"``).
+
+        Raises:
+            ConfigurationError: ``langchain`` is not installed.
+        """
+        try:
+            from langchain.agents.middleware import (  # noqa: PLC0415  (optional dependency)
+                AgentMiddleware,
+            )
+        except ImportError as exc:
+            raise ConfigurationError(
+                'ToolGuard.middleware() needs langchain: pip install "onceonly[langchain]"'
+            ) from exc
+        owner = self
+
+        class OnceOnlyToolGuard(AgentMiddleware):
+            """Runs each of the agent's tool calls once (``onceonly`` ``ToolGuard``)."""
+
+            def wrap_tool_call(
+                self,
+                request: ToolCallRequest,
+                handler: Callable[[ToolCallRequest], ToolMessage | Command[Any]],
+            ) -> ToolMessage | Command[Any]:
+                return owner.wrap_tool_call(request, handler)
+
+            async def awrap_tool_call(
+                self,
+                request: ToolCallRequest,
+                handler: Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]],
+            ) -> ToolMessage | Command[Any]:
+                return await owner.awrap_tool_call(request, handler)
+
+        return OnceOnlyToolGuard()
+
+    def task(
+        self, name: str, *, policy: ToolPolicy | None = None
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Guard the body of a functional-API ``@task`` (sync or ``async``)::
+
+            @task
+            @guard.task("book_room")
+            def book_room(room: str, night: str) -> dict: ...
+
+        The body's effect happens once: LangGraph re-runs a task whose result it did not
+        save (a crash after the effect), and the re-run replays the recorded result. The
+        key is placed by the task's ``checkpoint_ns`` (its deterministic task id, derived
+        from the entrypoint's checkpoint, its call path and its index), like a tool call;
+        the arguments are fingerprinted and the result recorded, so both must be
+        codec-encodable. The call waits for the checkpoint its task was planned from, as
+        tool calls do. An in-doubt call raises :class:`~ledger.EffectInDoubt`.
+
+        Args:
+            name: The effect's name (``"<name>@1"`` unless the policy names one); the
+                policy is ``policy`` or :meth:`policy` of ``name``.
+            policy: Overrides the guard's policy for ``name``.
+
+        Raises:
+            ConfigurationError: Called outside a run with a checkpointer and a thread.
+        """
+        chosen = policy or self.policy(name)
+        classify = _classifier(chosen)
+
+        def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+            guarded = self._guard_as(chosen, name, classify)(fn)
+            if inspect.iscoroutinefunction(fn):
+
+                @functools.wraps(fn)
+                async def aguarded(*args: Any, **kwargs: Any) -> Any:
+                    thread, ns, plan = self._task_position(name)
+                    await self._await_saved(plan)
+                    with step(thread, ns, tenant=self.tenant):
+                        return await guarded(*args, **kwargs)
+
+                return cast(Callable[P, R], aguarded)
+
+            @functools.wraps(fn)
+            def sguarded(*args: P.args, **kwargs: P.kwargs) -> R:
+                thread, ns, plan = self._task_position(name)
+                self._wait_saved(plan)
+                with step(thread, ns, tenant=self.tenant):
+                    return cast(R, guarded(*args, **kwargs))
+
+            return sguarded
+
+        return decorate
+
     # -- internals ----------------------------------------------------------------------
+
+    def _in_doubt(
+        self, call: _Call, request: ToolCallRequest, exc: Exception
+    ) -> _doubt.Doubt | ToolMessage | None:
+        """With ``in_doubt="interrupt"``: the entry to ask about, or the answer to a call
+        resolved as happened without its result; None: ``exc`` goes its usual way."""
+        if self.in_doubt != "interrupt":
+            return None
+        said = _doubt.unknown_result(exc, call.tool)
+        if said is not None:
+            return _told(request, said)
+        return _doubt.doubt_of(self.ledger, exc)
+
+    async def _ain_doubt(
+        self, call: _Call, request: ToolCallRequest, exc: Exception
+    ) -> _doubt.Doubt | ToolMessage | None:
+        """The async twin of :meth:`_in_doubt` (the ledger read off the event loop)."""
+        if self.in_doubt != "interrupt" or not isinstance(exc, EffectInDoubt):
+            return self._in_doubt(call, request, exc)  # no I/O on these paths
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.ledger.executor(), functools.partial(_doubt.doubt_of, self.ledger, exc)
+        )
+
+    def _ask(self, call: _Call, request: ToolCallRequest, doubt: _doubt.Doubt, refusal: str) -> str:
+        """Interrupt with the in-doubt prompt; record the decision. Returns why a decision
+        was not taken ("" if it was): the next prompt says so."""
+        from langgraph.types import interrupt  # noqa: PLC0415  (optional dependency)
+
+        value = _doubt.prompt(doubt, call.tool, call.args, request.tool_call.get("id"), refusal)
+        return _doubt.decide(self.ledger, doubt, interrupt(value), call.run_id)
+
+    async def _aask(
+        self, call: _Call, request: ToolCallRequest, doubt: _doubt.Doubt, refusal: str
+    ) -> str:
+        """The async twin of :meth:`_ask`."""
+        from langgraph.types import interrupt  # noqa: PLC0415  (optional dependency)
+
+        value = _doubt.prompt(doubt, call.tool, call.args, request.tool_call.get("id"), refusal)
+        decision = interrupt(value)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.ledger.executor(),
+            functools.partial(_doubt.decide, self.ledger, doubt, decision, call.run_id),
+        )
 
     def _approve(self, call: _Call, request: ToolCallRequest) -> ToolMessage | None:
         """Wait for a decision on exactly this call's arguments (``ToolPolicy.approval``).
@@ -479,13 +688,47 @@ class ToolGuard:
             _plan(request, run_id),
         )
 
+    def _maybe_fork(self, call: _Call) -> bool:
+        """Whether the call's super-step was planned from a time-travel fork
+        (``forks="replay"``), as the wait for its checkpoint read it (no I/O here)."""
+        if self.forks != "replay":
+            return False
+        with self._saved_lock:
+            source = self._saved.get((call.plan.thread_id, *call.plan.checkpoints[-1]))
+        return source == "fork"
+
+    def _forked(self, call: _Call, request: ToolCallRequest) -> _Call:
+        """The call placed as the same call from the checkpoint its fork copies (see
+        ``ToolGuard(forks=...)``); unchanged when its checkpoint is no fork."""
+        plan = call.plan
+        graph_ns, checkpoint_id = plan.checkpoints[-1]
+        ns = str(getattr(request.runtime.execution_info, "checkpoint_ns", ""))
+        metadata = (getattr(request.runtime, "config", None) or {}).get("metadata", {})
+        origin = _fork.origin_namespace(
+            plan.saver.get_tuple, plan.thread_id, graph_ns, checkpoint_id, ns, metadata
+        )
+        if origin is None or not call.step_id.startswith(ns):
+            return call
+        step_id = origin + call.step_id[len(ns) :]
+        effect = call.policy.effect or f"{call.tool}@1"
+        made = self.ledger.effects(run_id=call.run_id, step_id=step_id, effect=effect)
+        if made:
+            keyring = self.ledger.keyring
+            canonical = canonical_args({"tool": call.tool, "args": call.args}, self.ledger.codec)
+            if not any(e.fingerprint == keyring.fingerprint(e.secret_id, canonical) for e in made):
+                # Other arguments than the call made from that checkpoint: a new call,
+                # placed by its arguments so that the same fork taken again replays it.
+                step_id += f"/args:{self.approval_hash(call.tool, call.args)[:32]}"
+        return dataclasses.replace(call, step_id=step_id)
+
     def _unsaved(self, plan: _Plan) -> list[tuple[str, str]]:
         with self._saved_lock:
             return [c for c in plan.checkpoints if (plan.thread_id, *c) not in self._saved]
 
-    def _remember(self, plan: _Plan, checkpoint: tuple[str, str]) -> None:
+    def _remember(self, plan: _Plan, checkpoint: tuple[str, str], saved: Any) -> None:
+        source = str((getattr(saved, "metadata", None) or {}).get("source", ""))
         with self._saved_lock:
-            self._saved[(plan.thread_id, *checkpoint)] = None
+            self._saved[(plan.thread_id, *checkpoint)] = source
             while len(self._saved) > _SAVED:
                 self._saved.popitem(last=False)
 
@@ -494,20 +737,20 @@ class ToolGuard:
         deadline = time.monotonic() + self.checkpoint_wait_s
         pause = _FIRST_PAUSE_S
         for checkpoint in self._unsaved(plan):
-            while plan.saver.get_tuple(plan.config(*checkpoint)) is None:
+            while (saved := plan.saver.get_tuple(plan.config(*checkpoint))) is None:
                 pause = self._pause(plan, checkpoint, deadline, pause)
                 time.sleep(pause)
-            self._remember(plan, checkpoint)
+            self._remember(plan, checkpoint, saved)
 
     async def _await_saved(self, plan: _Plan) -> None:
         """The async twin of :meth:`_wait_saved`."""
         deadline = time.monotonic() + self.checkpoint_wait_s
         pause = _FIRST_PAUSE_S
         for checkpoint in self._unsaved(plan):
-            while await _aget_tuple(plan.saver, plan.config(*checkpoint)) is None:
+            while (saved := await _aget_tuple(plan.saver, plan.config(*checkpoint))) is None:
                 pause = self._pause(plan, checkpoint, deadline, pause)
                 await asyncio.sleep(pause)
-            self._remember(plan, checkpoint)
+            self._remember(plan, checkpoint, saved)
 
     def _pause(
         self, plan: _Plan, checkpoint: tuple[str, str], deadline: float, pause: float
@@ -526,16 +769,47 @@ class ToolGuard:
         return min(pause * 2, _MAX_PAUSE_S, left)
 
     def _guard(self, call: _Call) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        policy = call.policy
+        return self._guard_as(call.policy, call.tool, call.classify)
+
+    def _guard_as(
+        self, policy: ToolPolicy, name: str, classify: Callable[[BaseException], OutcomeClass]
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return guard(
             self.ledger,
-            effect=policy.effect or f"{call.tool}@1",
+            effect=policy.effect or f"{name}@1",
             provider_class=policy.provider_class,
             window_s=policy.window_s,
             retry=policy.retry,
-            classify=call.classify,
+            classify=classify,
             probe=policy.probe,
         )
+
+    def _task_position(self, name: str) -> tuple[str, str, _Plan]:
+        """The run, step and plan of the functional-API task now running (for :meth:`task`)."""
+        from langgraph.config import get_config  # noqa: PLC0415  (optional dependency)
+
+        try:
+            conf: Mapping[str, Any] = get_config().get("configurable", {})
+        except RuntimeError as exc:
+            raise ConfigurationError(
+                f"the guarded task {name!r} was called outside a LangGraph run: call it from "
+                "an @entrypoint (or a graph node) compiled with a checkpointer"
+            ) from exc
+        thread = conf.get("thread_id")
+        if not thread:
+            raise ConfigurationError(
+                f"the guarded task {name!r} needs a run with a thread_id and a checkpointer: "
+                "without them there is no resume to protect and no stable key"
+            )
+        ns = str(conf.get("checkpoint_ns", ""))
+        plan = plan_of(conf, str(thread), None, f"the guarded task {name!r}")
+        # A task called from an entrypoint's task maps that task's namespace to its
+        # graph's checkpoint as well; only a graph's own namespace has checkpoints saved.
+        own: list[tuple[str, str]] = []
+        for checkpoint in plan.checkpoints:
+            if not own or own[-1][1] != checkpoint[1]:
+                own.append(checkpoint)
+        return str(thread), ns, dataclasses.replace(plan, checkpoints=tuple(own))
 
 
 def _plan(request: ToolCallRequest, thread_id: str) -> _Plan:
@@ -546,29 +820,38 @@ def _plan(request: ToolCallRequest, thread_id: str) -> _Plan:
     key) derives from the innermost, and its namespace holds the enclosing tasks' ids,
     derived from the others.
     """
+    info = request.runtime.execution_info
+    conf: Mapping[str, Any] = (getattr(request.runtime, "config", None) or {}).get(
+        "configurable", {}
+    )
+    fallback = None if info is None else (info.checkpoint_ns, info.checkpoint_id)
+    return plan_of(conf, thread_id, fallback, "a guarded ToolNode")
+
+
+def plan_of(
+    conf: Mapping[str, Any], thread_id: str, fallback: tuple[str, str] | None, what: str
+) -> _Plan:
+    """:func:`_plan` from a task's ``configurable`` (``fallback``: the task's namespace
+    and checkpoint id when the config has no ``checkpoint_map``)."""
     from langgraph._internal._constants import (  # noqa: PLC0415  (optional dependency)
         CONFIG_KEY_CHECKPOINT_MAP,
         CONFIG_KEY_CHECKPOINTER,
         CONFIG_KEY_DURABILITY,
     )
 
-    info = request.runtime.execution_info
-    conf: Mapping[str, Any] = (getattr(request.runtime, "config", None) or {}).get(
-        "configurable", {}
-    )
     saver = conf.get(CONFIG_KEY_CHECKPOINTER)
     if saver is None:
         raise ConfigurationError(
-            "a guarded ToolNode must run in a graph compiled with a checkpointer: without "
-            "one there is no resume to protect and no stable key"
+            f"{what} must run in a graph compiled with a checkpointer: without one there is "
+            "no resume to protect and no stable key"
         )
     mapped = conf.get(CONFIG_KEY_CHECKPOINT_MAP)
-    if not mapped and info is not None:
-        mapped = {info.checkpoint_ns.rpartition("|")[0]: info.checkpoint_id}
+    if not mapped and fallback is not None:
+        mapped = {fallback[0].rpartition("|")[0]: fallback[1]}
     if not mapped:
         raise ConfigurationError(
-            "cannot tell which checkpoint this tool call was planned from (no checkpoint_map "
-            "in its config): nothing was sent"
+            "cannot tell which checkpoint this call was planned from (no checkpoint_map in "
+            "its config): nothing was sent"
         )
     # LangGraph's default (it stores the mode in the config only when one is given).
     durability = str(conf.get(CONFIG_KEY_DURABILITY) or "async")
@@ -747,6 +1030,15 @@ def _message(recorded: Any, request: ToolCallRequest) -> ToolMessage:
     # A probe's or an operator's result: the provider's answer becomes the content.
     content = recorded if isinstance(recorded, str) else json.dumps(recorded, sort_keys=True)
     return ToolMessage(content=content, name=name, tool_call_id=call_id)
+
+
+def _told(request: ToolCallRequest, content: str) -> ToolMessage:
+    """A message to the model that is not the tool's own answer."""
+    from langchain_core.messages import ToolMessage  # noqa: PLC0415  (optional dependency)
+
+    return ToolMessage(
+        content=content, name=request.tool_call["name"], tool_call_id=request.tool_call["id"] or ""
+    )
 
 
 def _refused(request: ToolCallRequest, error_type: str, message: str) -> ToolMessage:

@@ -1,0 +1,113 @@
+"""``ToolGuard(forks=...)``: a time-travel fork does not repeat a call already made from
+the checkpoint it copies, unless asked to.
+
+``invoke(None, past_config)`` makes LangGraph copy the past checkpoint into a fork with a
+new id, so its tasks get new ids; keyed by those alone, every fork of the same
+checkpoint booked the room again (the ``forks="act"`` control shows it). The graph is
+:mod:`tests.langgraph_graph`'s; the provider's raw request log is the oracle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from langgraph.checkpoint.memory import InMemorySaver
+
+from onceonly.adapters.langgraph import ToolGuard
+from onceonly.checkpoint import ConfigurationError
+from tests.http_fake import FakeProvider
+from tests.langgraph_graph import NOTIFY, Tools, build, tool_messages
+from tests.ledger_support import Ledgers
+
+INPUT: Any = {"messages": [("user", "Book room r-12 and tell the guest")]}
+CONFIG: Any = {"configurable": {"thread_id": "t-1"}}
+R12 = {"room": "r-12", "night": "2025-05-01"}
+R99 = {"room": "r-99", "night": "2025-05-01"}
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    provider = FakeProvider(dedup=False, require_key=False)
+    try:
+        provider.start()
+        yield provider
+    finally:
+        provider.stop()
+
+
+def booked(fake: FakeProvider) -> list[dict[str, Any]]:
+    return [json.loads(r.body) for r in fake.writes if r.path == "/bookings"]
+
+
+def before_tools(app: Any) -> Any:
+    """The config of the original run's checkpoint whose next step runs the tools."""
+    history = list(app.get_state_history(CONFIG))
+    [planned] = [h for h in history if h.next == ("tools",) and h.metadata["source"] == "loop"]
+    return planned.config
+
+
+def run(app: Any, start: Any, config: Any, api: str) -> Any:
+    if api == "ainvoke":
+        return asyncio.run(app.ainvoke(start, config))
+    return app.invoke(start, config)
+
+
+@pytest.mark.parametrize("api", ["invoke", "ainvoke"])
+def test_the_same_fork_taken_twice_books_once(
+    fake: FakeProvider, ledgers: Ledgers, api: str
+) -> None:
+    tools = Tools(fake.url, notify_failures=0)
+    guard = ToolGuard(ledgers.fresh(), policies={"notify": NOTIFY})
+    app = build(tools, InMemorySaver(), guard)
+    run(app, INPUT, CONFIG, api)
+    assert booked(fake) == [R12]
+    past = before_tools(app)
+
+    for _ in range(2):
+        final = run(app, None, past, api)
+        assert '"id": 1' in tool_messages(final)["call_book"]["content"]  # the recorded one
+    assert booked(fake) == [R12]
+    assert tools.sent == ["guest@example.com"]
+
+
+def test_forks_act_again_when_asked_to(fake: FakeProvider, ledgers: Ledgers) -> None:
+    """Positive control: ``forks="act"`` (the earlier behaviour) books on every fork."""
+    tools = Tools(fake.url, notify_failures=0)
+    guard = ToolGuard(ledgers.fresh(), policies={"notify": NOTIFY}, forks="act")
+    app = build(tools, InMemorySaver(), guard)
+    app.invoke(INPUT, CONFIG)
+    past = before_tools(app)
+    app.invoke(None, past)
+    app.invoke(None, past)
+    assert booked(fake) == [R12, R12, R12]
+    assert len(tools.sent) == 3
+
+
+def test_changed_arguments_act_once_per_change(fake: FakeProvider, ledgers: Ledgers) -> None:
+    """``update_state`` plans another booking: it is made, once, and travelling back to
+    either plan replays what that plan made."""
+    tools = Tools(fake.url, notify_failures=0)
+    app = build(tools, InMemorySaver(), ToolGuard(ledgers.fresh(), policies={"notify": NOTIFY}))
+    app.invoke(INPUT, CONFIG)
+    past = before_tools(app)
+    ai = app.get_state(past).values["messages"][-1]
+    calls = [{**c, "args": R99} if c["name"] == "book_room" else c for c in ai.tool_calls]
+    changed = app.update_state(
+        past, {"messages": [ai.model_copy(update={"tool_calls": calls})]}, as_node="model"
+    )
+    app.invoke(None, changed)
+    assert booked(fake) == [R12, R99]  # a new plan: acted
+
+    app.invoke(None, changed)  # the changed plan again: a fork of it
+    app.invoke(None, past)  # the original plan again
+    assert booked(fake) == [R12, R99]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_bad_fork_policy_is_refused(ledgers: Ledgers) -> None:
+    with pytest.raises(ConfigurationError, match="forks"):
+        ToolGuard(ledgers.fresh(), forks="never")

@@ -1,0 +1,187 @@
+"""``create_agent`` (``ToolGuard.middleware()``) and the functional API (``ToolGuard.task``):
+a SIGKILL right after the booking reached the provider, a resume in a fresh process, one
+booking. Control: the same shapes unguarded book twice.
+
+The graphs are :mod:`tests.langgraph_shapes`'; the counting provider in this process is
+the oracle. The ToolNode shapes (a message's calls, a subgraph, ``Send`` fan-out) have
+the same test in ``tests/test_langgraph_durability.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.func import entrypoint, task
+
+from onceonly.adapters.langgraph import ToolGuard
+from onceonly.checkpoint import ConfigurationError
+from onceonly.ledger import EffectStatus
+from tests.conftest import BACKENDS
+from tests.http_fake import FakeProvider
+from tests.ledger_support import Ledgers
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeProvider]:
+    """A provider that does not deduplicate: every write request takes effect."""
+    provider = FakeProvider(dedup=False, require_key=False)
+    try:
+        provider.start()
+        yield provider
+    finally:
+        provider.stop()
+
+
+def deliveries(fake: FakeProvider) -> dict[str, int]:
+    counts = {"/bookings": 0, "/notifications": 0}
+    for request in fake.writes:
+        counts[request.path] += 1
+    return counts
+
+
+def worker(
+    db_url: str, saver: Path, fake: FakeProvider, shape: str, *flags: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.langgraph_shapes",
+            db_url,
+            str(saver),
+            fake.url,
+            "t-1",
+            "--shape",
+            shape,
+            *flags,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def crash_and_resume(
+    db_url: str, tmp_path: Path, fake: FakeProvider, shape: str, *flags: str
+) -> Any:
+    saver = tmp_path / "graph.sqlite"
+    first = worker(db_url, saver, fake, shape, *flags)
+    assert first.returncode == -9, first.stderr  # SIGKILLed after the booking
+    assert deliveries(fake)["/bookings"] == 1
+    resumed = worker(db_url, saver, fake, shape, *flags, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    return json.loads(resumed.stdout)
+
+
+def check_one_booking(fake: FakeProvider, final: Any, shape: str) -> None:
+    assert deliveries(fake) == {"/bookings": 1, "/notifications": 1}
+    # The answer the resumed run got is the provider's answer to the one booking.
+    [booking] = [answer for _, answer in fake.applied if "room" in answer["request"]]
+    booked = json.loads(final["call_book"]) if shape == "agent" else final["booked"]
+    assert booked == booking
+
+
+# The agent on every backend; the task's ledger calls are the same, so SQLite suffices
+# for it (four child processes a case: CI time).
+CASES = [
+    *(pytest.param(backend, "agent", id=f"{backend}-agent") for backend in BACKENDS),
+    pytest.param("sqlite", "task", id="sqlite-task"),
+]
+
+
+@pytest.mark.parametrize(("db_url", "shape"), CASES, indirect=["db_url"])
+def test_a_killed_run_resumes_in_a_fresh_process_with_one_booking(
+    fake: FakeProvider, ledgers: Ledgers, db_url: str, tmp_path: Path, shape: str
+) -> None:
+    """Under LangGraph's default ``durability="async"``: the guard waits for the plan's
+    checkpoint before the effect, so the resume re-runs the same task (same key)."""
+    ledgers.fresh()  # creates the ledger's schema
+    final = crash_and_resume(db_url, tmp_path, fake, shape, "--durability", "async")
+    check_one_booking(fake, final, shape)
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("shape", ["agent", "task"])
+def test_unguarded_the_resume_books_twice(
+    fake: FakeProvider, db_url: str, tmp_path: Path, shape: str
+) -> None:
+    """Positive control: the same crash and resume without the guard."""
+    crash_and_resume(db_url, tmp_path, fake, shape, "--guard", "none")
+    assert deliveries(fake) == {"/bookings": 2, "/notifications": 1}
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_guarded_task_needs_a_thread_and_a_checkpointer(ledgers: Ledgers) -> None:
+    guard = ToolGuard(ledgers.fresh())
+    sent: list[str] = []
+
+    @task
+    @guard.task("book_room")
+    def book_room(room: str) -> str:
+        sent.append(room)
+        return room
+
+    @entrypoint()
+    def no_saver(room: str) -> str:
+        return book_room(room).result()
+
+    with pytest.raises(ConfigurationError, match="checkpointer"):
+        no_saver.invoke("r-12")
+    with pytest.raises(ConfigurationError, match="outside a LangGraph run"):
+        guard.task("book_room")(lambda room: room)("r-12")
+
+    @entrypoint(checkpointer=InMemorySaver())
+    def workflow(room: str) -> str:
+        return book_room(room).result()
+
+    config: Any = {"configurable": {"thread_id": "t-1"}}
+    assert workflow.invoke("r-12", config) == "r-12"
+    assert sent == ["r-12"]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_the_middleware_without_langchain_says_what_to_install(
+    ledgers: Ledgers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    guard = ToolGuard(ledgers.fresh())
+    assert hasattr(guard.middleware(), "wrap_tool_call")
+    monkeypatch.setitem(sys.modules, "langchain.agents.middleware", None)  # not installed
+    with pytest.raises(ConfigurationError, match=r"pip install \"onceonly\[langchain\]\""):
+        guard.middleware()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_an_async_guarded_task_records_its_result(ledgers: Ledgers) -> None:
+    ledger = ledgers.fresh()
+    guard = ToolGuard(ledger)
+    sent: list[str] = []
+
+    @task
+    @guard.task("hold_room")
+    async def hold_room(room: str) -> str:
+        sent.append(room)
+        return f"held {room}"
+
+    @entrypoint(checkpointer=InMemorySaver())
+    async def workflow(room: str) -> str:
+        return await hold_room(room)
+
+    config: Any = {"configurable": {"thread_id": "t-1"}}
+    assert asyncio.run(workflow.ainvoke("r-12", config)) == "held r-12"
+    assert sent == ["r-12"]
+    [entry] = ledger.effects(run_id="t-1", effect="hold_room@1")
+    assert entry.status is EffectStatus.COMMITTED
+    assert entry.step_id is not None
+    assert entry.step_id.startswith("workflow:")
