@@ -7,6 +7,7 @@ by that id would book twice; the guard keys by conversation and position instead
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -85,6 +86,12 @@ def booking_agent(guard: PydanticAIToolGuard | None, provider: FakeProvider) -> 
     return agent
 
 
+def run_sync(agent: Agent[None, Any], prompt: str | None = None, **options: Any) -> Any:
+    """``agent.run_sync``, on a loop of its own that is closed after (Pydantic AI's
+    ``run_sync`` leaves the loop it makes open)."""
+    return asyncio.run(agent.run(prompt, **options))
+
+
 def writes(provider: FakeProvider, since: int) -> int:
     return len(provider.writes) - since
 
@@ -94,18 +101,20 @@ def test_rerun_after_a_crash_replays(provider: FakeProvider, ledgers: Ledgers) -
     calls = [{"table": 4, "time": "19:00"}, {"table": 4, "time": "21:00"}]
     first = booking_agent(PydanticAIToolGuard(ledgers.fresh()), provider)
     with pytest.raises(ModelDown):
-        first.run_sync("book", conversation_id="conv-1", model=script(calls, fail_after_tools=True))
+        run_sync(
+            first, "book", conversation_id="conv-1", model=script(calls, fail_after_tools=True)
+        )
     assert writes(provider, start) == 2  # two calls in one response: two effects
 
     # the process restarts and runs the agent again: the recorded bookings are replayed
     again = booking_agent(PydanticAIToolGuard(ledgers.fresh()), provider)
-    out = again.run_sync("book", conversation_id="conv-1", model=script(calls))
+    out = run_sync(again, "book", conversation_id="conv-1", model=script(calls))
     assert writes(provider, start) == 2
     assert "booking" in str(out.output)
 
     # another conversation is another booking
     other = booking_agent(PydanticAIToolGuard(ledgers.fresh()), provider)
-    other.run_sync("book", conversation_id="conv-2", model=script(calls[:1]))
+    run_sync(other, "book", conversation_id="conv-2", model=script(calls[:1]))
     assert writes(provider, start) == 3
 
 
@@ -114,8 +123,10 @@ def test_control_unguarded_rerun_books_again(provider: FakeProvider) -> None:
     calls = [{"table": 4, "time": "19:00"}]
     agent = booking_agent(None, provider)
     with pytest.raises(ModelDown):
-        agent.run_sync("book", conversation_id="conv-c", model=script(calls, fail_after_tools=True))
-    agent.run_sync("book", conversation_id="conv-c", model=script(calls))
+        run_sync(
+            agent, "book", conversation_id="conv-c", model=script(calls, fail_after_tools=True)
+        )
+    run_sync(agent, "book", conversation_id="conv-c", model=script(calls))
     assert writes(provider, start) == 2  # the duplicate the guard prevents
 
 
@@ -131,12 +142,12 @@ def test_crash_between_provider_and_record_is_in_doubt(
 
     first = booking_agent(PydanticAIToolGuard(ledgers.fresh(owner="w1")), provider)
     with armed(die), pytest.raises(Killed):
-        first.run_sync("book", conversation_id="conv-d", model=script(calls))
+        run_sync(first, "book", conversation_id="conv-d", model=script(calls))
     assert writes(provider, start) == 1
     # the restarted worker finds the call in doubt: not sent again (class C)
     again = booking_agent(PydanticAIToolGuard(ledgers.fresh(owner="w1")), provider)
     with pytest.raises(EffectInDoubt):
-        again.run_sync("book", conversation_id="conv-d", model=script(calls))
+        run_sync(again, "book", conversation_id="conv-d", model=script(calls))
     assert writes(provider, start) == 1
 
 
@@ -145,11 +156,11 @@ def test_same_position_other_arguments_is_refused(provider: FakeProvider, ledger
 
     ledger = ledgers.fresh()
     agent = booking_agent(PydanticAIToolGuard(ledger), provider)
-    agent.run_sync("book", conversation_id="conv-r", model=script([{"table": 1, "time": "18:00"}]))
+    run_sync(agent, "book", conversation_id="conv-r", model=script([{"table": 1, "time": "18:00"}]))
     start = len(provider.writes)
     with pytest.raises(KeyReuseError):
-        agent.run_sync(
-            "book", conversation_id="conv-r", model=script([{"table": 9, "time": "18:00"}])
+        run_sync(
+            agent, "book", conversation_id="conv-r", model=script([{"table": 9, "time": "18:00"}])
         )
     assert writes(provider, start) == 0
 
@@ -160,7 +171,7 @@ def test_approval_is_bound_to_the_arguments(provider: FakeProvider, ledgers: Led
     guard = PydanticAIToolGuard(ledger, policies={"book": ToolPolicy(approval=True)})
     agent = booking_agent(guard, provider)
     model = script([{"table": 6, "time": "19:30"}])
-    asked = agent.run_sync("book", conversation_id="conv-a", model=model)
+    asked = run_sync(agent, "book", conversation_id="conv-a", model=model)
     requests = asked.output
     assert isinstance(requests, DeferredToolRequests)
     (call,) = requests.approvals
@@ -170,7 +181,8 @@ def test_approval_is_bound_to_the_arguments(provider: FakeProvider, ledgers: Led
     assert writes(provider, start) == 0
 
     # a bare "yes" is not an approval of these arguments: asked again, nothing booked
-    bare = agent.run_sync(
+    bare = run_sync(
+        agent,
         message_history=asked.all_messages(),
         deferred_tool_results=DeferredToolResults(approvals={call.tool_call_id: True}),
         model=model,
@@ -178,7 +190,8 @@ def test_approval_is_bound_to_the_arguments(provider: FakeProvider, ledgers: Led
     assert isinstance(bare.output, DeferredToolRequests)
     assert writes(provider, start) == 0
 
-    approved = agent.run_sync(
+    approved = run_sync(
+        agent,
         message_history=asked.all_messages(),
         deferred_tool_results=DeferredToolResults(
             approvals={call.tool_call_id: True},
