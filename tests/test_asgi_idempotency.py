@@ -244,7 +244,8 @@ def test_handler_crash_is_in_doubt_until_resolved(provider: FakeProvider, ledger
         assert count() == 2
 
 
-def test_configuration_errors(ledger: Ledger) -> None:
+def test_configuration_errors(tmp_path: Any) -> None:
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'config.db'}")
     app = build_app("http://127.0.0.1:9")
     with pytest.raises(ConfigurationError, match="window_s"):
         IdempotencyMiddleware(app, ledger, window_s=0)
@@ -252,6 +253,7 @@ def test_configuration_errors(ledger: Ledger) -> None:
         IdempotencyMiddleware(app, ledger, methods=())
     with pytest.raises(ConfigurationError, match="header name"):
         IdempotencyMiddleware(app, ledger, header="Idempotency Key")
+    ledger.store.close()
 
 
 def _server(db_url: str, provider: FakeProvider, *flags: str) -> tuple[ProcessServer, str]:
@@ -268,9 +270,12 @@ def _kill(server: ProcessServer) -> None:
     proc.wait(30)
 
 
-def _kill_mid_request(db_url: str, provider: FakeProvider, *flags: str) -> httpx.Response:
+def _kill_mid_request(
+    db_url: str, provider: FakeProvider, *flags: str, then: Callable[[str], None] | None = None
+) -> httpx.Response:
     """Place an order with a server that hangs after the provider applied it, SIGKILL the
-    server there, restart it, and retry the same request; the retry's answer."""
+    server there, restart it, and retry the same request; the retry's answer. ``then``
+    is given the restarted server's URL before that server is SIGKILLed in turn."""
     count = Counted(provider)
     hanging, url = _server(db_url, provider, "--hang", *flags)
     hanging.start()
@@ -285,27 +290,32 @@ def _kill_mid_request(db_url: str, provider: FakeProvider, *flags: str) -> httpx
         hanging.stop()
     restarted, url = _server(db_url, provider, *flags)
     with restarted:
-        return post(url, "k-killed", ORDER, X_Client="acme")
+        retry = post(url, "k-killed", ORDER, X_Client="acme")
+        if then is not None:
+            then(url)
+            _kill(restarted)
+    return retry
 
 
 @pytest.mark.slow
 def test_sigkill_mid_request_then_retry(provider: FakeProvider, db_url: str) -> None:
     count = Counted(provider)
-    retry = _kill_mid_request(db_url, provider)
-    assert retry.status_code == 409  # in doubt: the order may exist; never placed twice
-    assert count() == 1
+    first: list[httpx.Response] = []
 
-    # a request whose response was recorded: the restarted server replays it
-    server, url = _server(db_url, provider)
-    with server:
-        first = post(url, "k-done", ORDER, X_Client="acme")
-        assert first.status_code == 201
-        _kill(server)
+    def answered_then_killed(url: str) -> None:
+        first.append(post(url, "k-done", ORDER, X_Client="acme"))
+
+    retry = _kill_mid_request(db_url, provider, then=answered_then_killed)
+    assert retry.status_code == 409  # in doubt: the order may exist; never placed twice
+    assert first[0].status_code == 201
+    assert count() == 2
+
+    # the request whose response was recorded: the server restarted again replays it
     server, url = _server(db_url, provider)
     with server:
         again = post(url, "k-done", ORDER, X_Client="acme")
     assert again.status_code == 201
-    assert again.json() == first.json()
+    assert again.json() == first[0].json()
     assert again.headers["idempotent-replayed"] == "true"
     assert count() == 2
 
