@@ -106,6 +106,25 @@ def test_rerun_after_a_crash_replays(provider: FakeProvider, ledgers: Ledgers) -
     assert writes(provider, start) == 3
 
 
+def test_sync_tool_rerun_replays(provider: FakeProvider, ledgers: Ledgers) -> None:
+    start = len(provider.writes)
+
+    def book(ctx: ToolContext[Any], table: int, time: str) -> str:
+        sent = httpx.post(f"{provider.url}/bookings", json={"table": table}, timeout=30)
+        sent.raise_for_status()
+        return f"table {table} at {time}"
+
+    for fail in (True, False):
+        guard = AgentsToolGuard(ledgers.fresh())
+        model = script(CALLS[:1], fail_after_tools=fail)
+        agent = Agent(name="booker", tools=[guard.function_tool(book)], model=model)
+        try:
+            run(agent, guard, "conv-s")
+        except ModelDown:
+            assert fail
+    assert writes(provider, start) == 1
+
+
 def test_control_unguarded_rerun_books_again(provider: FakeProvider) -> None:
     start = len(provider.writes)
     with pytest.raises(ModelDown):

@@ -118,6 +118,26 @@ def test_rerun_after_a_crash_replays(provider: FakeProvider, ledgers: Ledgers) -
     assert writes(provider, start) == 3
 
 
+def test_sync_tool_rerun_replays(provider: FakeProvider, ledgers: Ledgers) -> None:
+    start = len(provider.writes)
+    calls = [{"table": 3, "time": "20:00"}]
+
+    def book(ctx: RunContext[None], table: int, time: str) -> str:
+        sent = httpx.post(f"{provider.url}/bookings", json={"table": table}, timeout=30)
+        sent.raise_for_status()
+        return f"table {table} at {time}"
+
+    for fail in (True, False):
+        agent: Agent[None, Any] = Agent(tools=[PydanticAIToolGuard(ledgers.fresh()).tool(book)])
+        try:
+            run_sync(
+                agent, "book", conversation_id="conv-s", model=script(calls, fail_after_tools=fail)
+            )
+        except ModelDown:
+            assert fail
+    assert writes(provider, start) == 1
+
+
 def test_control_unguarded_rerun_books_again(provider: FakeProvider) -> None:
     start = len(provider.writes)
     calls = [{"table": 4, "time": "19:00"}]
