@@ -37,6 +37,9 @@ _SECTION_MODULES: dict[str, tuple[str, ...]] = {
         "onceonly.adapters.mcp",
         "onceonly.adapters.langgraph",
         "onceonly.adapters.langgraph_saver",
+        "onceonly.adapters.asgi",
+        "onceonly.adapters.pydantic_ai",
+        "onceonly.adapters.openai_agents",
     ),
     "Runtime": (
         "onceonly.flow",
