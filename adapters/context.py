@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
@@ -128,6 +128,12 @@ _STEP: contextvars.ContextVar[_StepState | None] = contextvars.ContextVar(
 )
 _CLAIM: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
     "onceonly_claim", default=None
+)
+# An engine adapter (Temporal's activity guard) watches the calls in flight below it:
+# told of each claim when acting starts (True) and ends (False), it heartbeats the engine
+# and renews the claim's lease meanwhile.
+_WATCH: contextvars.ContextVar[Callable[[Claim, bool], None] | None] = contextvars.ContextVar(
+    "onceonly_watch", default=None
 )
 
 
@@ -249,7 +255,23 @@ def current_claim() -> Claim:
 @contextlib.contextmanager
 def _acting(claim: Claim) -> Iterator[None]:
     token = _CLAIM.set(claim)
+    watch = _WATCH.get()
+    if watch is not None:
+        watch(claim, True)
     try:
         yield
     finally:
         _CLAIM.reset(token)
+        if watch is not None:
+            watch(claim, False)
+
+
+@contextlib.contextmanager
+def _watching(watch: Callable[[Claim, bool], None]) -> Iterator[None]:
+    """Tell ``watch`` of every guarded call below that starts (``True``) or stops
+    (``False``) acting under its claim."""
+    token = _WATCH.set(watch)
+    try:
+        yield
+    finally:
+        _WATCH.reset(token)

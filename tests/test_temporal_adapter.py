@@ -1,0 +1,330 @@
+"""Temporal activities against a real Temporal dev server and real worker processes.
+
+The oracle is the fake provider's own count of applied writes (and raw requests). Each
+scenario SIGKILLs a worker process between the provider's apply and the activity's
+completion, or lets an attempt time out; Temporal retries the activity on a fresh
+worker. Guarded: one delivery. The positive control (the same activity unguarded):
+two.
+
+The server comes from ``ONCEONLY_TEST_TEMPORAL`` (``.ci/run`` starts one) or is started
+here once per session; a missing ``temporal`` program fails the tests, never skips them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.exceptions import ActivityError, ApplicationError
+
+from onceonly.adapters.temporal import activity_position, guarded_activity, temporal_error
+from onceonly.checkpoint import Store
+from onceonly.checkpoint.errors import ConfigurationError
+from onceonly.ledger import EffectInDoubt, EffectInFlight, Keyring, Ledger, Secret
+
+from . import engine_servers
+from .http_fake import FakeProvider
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET_HEX = "5e" * 32
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def temporal_address() -> Iterator[str]:
+    """The Temporal dev server's address (one per session)."""
+    address = os.environ.get("ONCEONLY_TEST_TEMPORAL")
+    if address:
+        yield address
+        return
+    base = Path(tempfile.mkdtemp(prefix="onceonly-temporal-"))
+    try:
+        yield engine_servers.start("temporal", base)
+    finally:
+        engine_servers.stop(base)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def provider() -> Iterator[FakeProvider]:
+    """A provider that deduplicates a key when one is sent (none is required)."""
+    fake = FakeProvider(dedup=True, require_key=False, sleep_s=6.0)
+    fake.start()
+    try:
+        yield fake
+    finally:
+        fake.stop()
+
+
+def wait_until(pred: Callable[[], bool], what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class Workers:
+    """Worker processes of tests/temporal_worker.py on one task queue."""
+
+    def __init__(self, address: str, db_url: str, provider: FakeProvider, tmp: Path) -> None:
+        self.address = address
+        self.db_url = db_url
+        self.provider = provider
+        self.queue = f"q-{uuid.uuid4().hex[:8]}"
+        self.hang = tmp / "hang"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.env = dict(os.environ, ONCEONLY_SECRETS=f"k1:{SECRET_HEX}", PYTHONPATH=str(ROOT))
+
+    def start(self, mode: str, owner: str) -> subprocess.Popen[bytes]:
+        argv = [self.address, self.queue, self.db_url, self.provider.url, mode, str(self.hang)]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.temporal_worker", *argv, owner],
+            env=self.env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(30)
+
+
+@pytest.fixture
+def workers(
+    temporal_address: str, db_url: str, provider: FakeProvider, tmp_path: Path
+) -> Iterator[Workers]:
+    """Worker processes sharing the test's ledger database (SQLite file or PostgreSQL)."""
+    Ledger(Store.open(db_url), Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))])).close()
+    w = Workers(temporal_address, db_url, provider, tmp_path)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def _start(address: str, queue: str, workflow_id: str, order: str, timeout_s: float) -> None:
+    client = await Client.connect(address)
+    await client.start_workflow(
+        "PlaceOrder", args=[order, timeout_s], id=workflow_id, task_queue=queue
+    )
+
+
+async def _result(address: str, workflow_id: str) -> Any:
+    client = await Client.connect(address)
+    return await client.get_workflow_handle(workflow_id).result()
+
+
+def start(w: Workers, workflow_id: str, order: str, timeout_s: float = 60.0) -> None:
+    run(_start(w.address, w.queue, workflow_id, order, timeout_s))
+
+
+def result(w: Workers, workflow_id: str) -> Any:
+    return run(asyncio.wait_for(_result(w.address, workflow_id), 120))
+
+
+def kill_after_apply(w: Workers, mode: str, wid: str, *, applied: int = 1) -> None:
+    """Start worker 1 (hanging after the provider answered), run the workflow, SIGKILL
+    the worker once the provider applied, then start worker 2 (which does not hang)."""
+    w.hang.touch()
+    first = w.start(mode, "worker-1")
+    start(w, wid, "order-1")
+    wait_until(lambda: len(w.provider.applied) >= applied, "the provider to apply")
+    w.kill(first)
+    w.hang.unlink()
+    w.start(mode, "worker-2")
+
+
+def test_a_worker_killed_after_the_provider_applied_delivers_once(
+    workers: Workers, provider: FakeProvider
+) -> None:
+    kill_after_apply(workers, "guarded-a", "wf-kill")
+    answer = result(workers, "wf-kill")
+    assert answer["request"] == {"order": "order-1"}
+    assert len(provider.applied) == 1  # the retry replayed the recorded result
+    assert len(provider.writes) == 1  # it did not even reach the provider
+
+
+def test_control_the_unguarded_activity_delivers_twice(
+    temporal_address: str, provider: FakeProvider, tmp_path: Path
+) -> None:
+    w = Workers(temporal_address, f"sqlite:///{tmp_path / 'unused.db'}", provider, tmp_path)
+    try:
+        kill_after_apply(w, "bare", "wf-bare")
+        result(w, "wf-bare")
+    finally:
+        w.close()
+    assert len(provider.applied) == 2
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_killed_while_the_answer_was_in_flight_class_a_resends_under_the_same_key(
+    workers: Workers, provider: FakeProvider
+) -> None:
+    """The provider applied, its answer never came back: the claim is left open, and the
+    retry (after its lease) re-sends under the same key, which the provider deduplicates."""
+    provider.faults.append("drop")  # apply, then hold the answer back
+    workers.start("guarded-a", "worker-1")
+    start(workers, "wf-drop", "order-1")
+    wait_until(lambda: len(provider.applied) == 1, "the provider to apply")
+    workers.kill(workers.procs[0])
+    workers.start("guarded-a", "worker-2")
+    assert result(workers, "wf-drop")["request"] == {"order": "order-1"}
+    assert len(provider.applied) == 1
+    assert len(provider.writes) == 2  # re-sent, and deduplicated by its key
+    assert len({r.idempotency_key for r in provider.writes}) == 1
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_class_c_in_doubt_fails_without_retry_and_replays_once_resolved(
+    workers: Workers, provider: FakeProvider, db_url: str
+) -> None:
+    provider.faults.append("drop")
+    workers.start("guarded-c", "worker-1")
+    start(workers, "wf-doubt", "order-1")
+    wait_until(lambda: len(provider.applied) == 1, "the provider to apply")
+    workers.kill(workers.procs[0])
+    workers.start("guarded-c", "worker-2")
+    with pytest.raises(WorkflowFailureError) as failed:
+        result(workers, "wf-doubt")
+    cause = failed.value.cause
+    assert isinstance(cause, ActivityError)
+    error = cause.cause
+    assert isinstance(error, ApplicationError)
+    assert error.type == "EffectInDoubt"
+    assert error.non_retryable
+    key_id = error.details[0]
+    assert f"onceonly effects resolve {key_id}" in error.message
+    assert len(provider.applied) == 1  # never re-sent blindly
+
+    recorded = {"status": 201, "json": provider.applied[0][1]}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "onceonly",
+            "effects",
+            "resolve",
+            key_id,
+            "--url",
+            db_url,
+            "--happened",
+            "--result",
+            json.dumps(recorded),
+            "--evidence",
+            "order 1 is in the provider's list",
+            "--as",
+            "ops@example.com",
+        ],
+        env=workers.env,
+        check=True,
+        capture_output=True,
+    )
+    start(workers, "wf-doubt", "order-1")  # the workflow again, under the same id
+    assert result(workers, "wf-doubt") == provider.applied[0][1]
+    assert len(provider.applied) == 1
+
+
+def timed_out_attempt(w: Workers, mode: str) -> int:
+    """The provider is slower than the activity's start-to-close timeout: Temporal starts
+    another attempt while the first one's request is still being applied. Returns the
+    provider's applied writes once the workflow completed and the slow apply landed."""
+    w.provider.faults.append("slow")  # holds the key in flight for sleep_s, then applies
+    w.provider.sleep_s = 4.0
+    w.start(mode, "worker-1")
+    start(w, "wf-timeout", "order-1", timeout_s=1.5)
+    assert result(w, "wf-timeout")["request"] == {"order": "order-1"}
+    wait_until(lambda: len(w.provider.applied) >= 1, "the slow apply")
+    return len(w.provider.applied)
+
+
+def test_an_attempt_that_times_out_is_retried_without_a_second_delivery(
+    workers: Workers,
+) -> None:
+    assert timed_out_attempt(workers, "guarded-a") == 1
+
+
+def test_control_an_unguarded_attempt_that_times_out_delivers_twice(
+    temporal_address: str, provider: FakeProvider, tmp_path: Path
+) -> None:
+    w = Workers(temporal_address, f"sqlite:///{tmp_path / 'unused.db'}", provider, tmp_path)
+    try:
+        assert timed_out_attempt(w, "bare") == 2
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_two_workers_one_killed_every_order_once(
+    workers: Workers, provider: FakeProvider
+) -> None:
+    workers.hang.touch()
+    first = workers.start("guarded-a", "worker-1")
+    second = workers.start("guarded-a", "worker-2")
+    orders = [f"order-{i}" for i in range(6)]
+    for order in orders:
+        start(workers, f"wf-{order}", order)
+    wait_until(lambda: len(provider.applied) == len(orders), "every order applied")
+    workers.kill(first)
+    workers.hang.unlink()
+    for order in orders:
+        assert result(workers, f"wf-{order}")["request"] == {"order": order}
+    assert second.poll() is None
+    assert sorted(r["request"]["order"] for _, r in provider.applied) == orders
+
+
+# -- without a server -------------------------------------------------------------------
+
+
+def test_ledger_errors_become_temporal_errors_that_say_what_to_do() -> None:
+    doubt = temporal_error(EffectInDoubt("ab" * 32, "needs_human", "C"))
+    assert doubt is not None
+    assert doubt.non_retryable
+    assert doubt.type == "EffectInDoubt"
+    assert doubt.details == ("ab" * 32,)
+    assert f"onceonly effects resolve {'ab' * 32}" in doubt.message
+    a_in_window = temporal_error(EffectInDoubt("cd" * 32, "unknown", "A"))
+    assert a_in_window is not None
+    assert not a_in_window.non_retryable
+    busy = temporal_error(EffectInFlight("ef" * 32, "worker-1", 0.0))
+    assert busy is not None
+    assert not busy.non_retryable
+    assert busy.type == "EffectInFlight"
+    assert temporal_error(ValueError("not ours")) is None
+
+
+def test_beat_s_must_be_positive(tmp_path: Path) -> None:
+    ledger = Ledger(
+        Store.open(f"sqlite:///{tmp_path / 'l.db'}"),
+        Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))]),
+        witness="",
+    )
+    with pytest.raises(ConfigurationError, match="beat_s"):
+        guarded_activity(ledger, beat_s=0)
+    ledger.close()
+    assert callable(activity_position)
