@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
 from onceonly.ledger import Claim, EffectIdentity
@@ -129,10 +130,18 @@ _STEP: contextvars.ContextVar[_StepState | None] = contextvars.ContextVar(
 _CLAIM: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
     "onceonly_claim", default=None
 )
-# An engine adapter (Temporal's activity guard) watches the calls in flight below it:
-# told of each claim when acting starts (True) and ends (False), it heartbeats the engine
-# and renews the claim's lease meanwhile.
-_WATCH: contextvars.ContextVar[Callable[[Claim, bool], None] | None] = contextvars.ContextVar(
+
+
+class _Watcher(Protocol):
+    """An engine adapter (Temporal's activity guard) watching the calls in flight below
+    it: it heartbeats the engine and renews the claim's lease meanwhile."""
+
+    def started(self, claim: Claim) -> None: ...  # acting under ``claim`` begins
+
+    def stopped(self, claim: Claim) -> None: ...  # ... and has ended
+
+
+_WATCH: contextvars.ContextVar[_Watcher | None] = contextvars.ContextVar(
     "onceonly_watch", default=None
 )
 
@@ -257,19 +266,18 @@ def _acting(claim: Claim) -> Iterator[None]:
     token = _CLAIM.set(claim)
     watch = _WATCH.get()
     if watch is not None:
-        watch(claim, True)
+        watch.started(claim)
     try:
         yield
     finally:
         _CLAIM.reset(token)
         if watch is not None:
-            watch(claim, False)
+            watch.stopped(claim)
 
 
 @contextlib.contextmanager
-def _watching(watch: Callable[[Claim, bool], None]) -> Iterator[None]:
-    """Tell ``watch`` of every guarded call below that starts (``True``) or stops
-    (``False``) acting under its claim."""
+def _watching(watch: _Watcher) -> Iterator[None]:
+    """Tell ``watch`` of every guarded call below that starts or stops acting."""
     token = _WATCH.set(watch)
     try:
         yield

@@ -48,6 +48,7 @@ the workflow id and an iteration the workflow passes to its activities).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -71,8 +72,8 @@ from onceonly.ledger import (
     EffectInDoubt,
     EffectInFlight,
     KeyReuseError,
-    Ledger,
     LeaseLost,
+    Ledger,
     PayloadErased,
     ResultUnknown,
 )
@@ -159,18 +160,17 @@ class _Beats:
         self._task: asyncio.Task[None] | None = None
         self._stop: threading.Event | None = None
 
-    def watch(self, claim: Claim, acting: bool) -> None:
+    def started(self, claim: Claim) -> None:
         with self._lock:
-            if acting:
-                self._live[claim.key_id] = claim
-            else:
-                self._live.pop(claim.key_id, None)
-            busy = bool(self._live)
-        if acting:
-            activity.heartbeat(claim.key_id)  # the in-flight effect, in the details
-        if busy and acting:
-            self._start()
-        elif not busy:
+            self._live[claim.key_id] = claim
+        activity.heartbeat(claim.key_id)  # the in-flight effect, in the details
+        self._start()
+
+    def stopped(self, claim: Claim) -> None:
+        with self._lock:
+            self._live.pop(claim.key_id, None)
+            idle = not self._live
+        if idle:
             self._halt()
 
     def _start(self) -> None:
@@ -197,10 +197,9 @@ class _Beats:
         with self._lock:
             claims = list(self._live.values())
         for claim in claims:
-            try:
+            # the entry moved on: the guard's outcome is refused and says so
+            with contextlib.suppress(LeaseLost):
                 self.ledger.renew(claim)
-            except LeaseLost:
-                pass  # the entry moved on: the guard's outcome is refused and says so
         return claims[0].key_id if claims else None
 
     async def _abeat(self) -> None:
@@ -277,7 +276,7 @@ def guarded_activity(
                 run_id, step_id = position()
                 beats = _Beats(ledger, _period(ledger, activity.info(), beat_s), is_async=True)
                 try:
-                    with step(run_id, step_id, tenant=tenant), _watching(beats.watch):
+                    with step(run_id, step_id, tenant=tenant), _watching(beats):
                         return await afn(*args, **kwargs)
                 except Exception as exc:
                     converted = temporal_error(exc)
@@ -294,7 +293,7 @@ def guarded_activity(
             run_id, step_id = position()
             beats = _Beats(ledger, _period(ledger, activity.info(), beat_s), is_async=False)
             try:
-                with step(run_id, step_id, tenant=tenant), _watching(beats.watch):
+                with step(run_id, step_id, tenant=tenant), _watching(beats):
                     return fn(*args, **kwargs)
             except Exception as exc:
                 converted = temporal_error(exc)

@@ -27,6 +27,9 @@ from onceonly.testing.servers import free_port, wait_listening
 
 __all__ = ["start", "stop"]
 
+# The servers this process started (a Popen dropped while its process runs warns).
+_STARTED: dict[Path, subprocess.Popen[bytes]] = {}
+
 
 def _temporal() -> str:
     beside = Path(sys.executable).with_name("temporal")
@@ -96,13 +99,16 @@ def start(kind: str, base: Path, timeout_s: float = 60.0) -> str:
         address = f"redis://127.0.0.1:{port}/0"
     else:
         raise ValueError(f"unknown server kind {kind!r}: temporal or redis")
-    log = (base / "server.log").open("wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with (base / "server.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     (base / "pid").write_text(str(proc.pid))
+    _STARTED[base] = proc
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{kind} server exited with {proc.returncode}; see {base}/server.log")
+            raise RuntimeError(
+                f"{kind} server exited with {proc.returncode}; see {base}/server.log"
+            )
         try:
             wait_listening(port, timeout_s=0.0)
             break
@@ -122,6 +128,15 @@ def stop(base: Path, timeout_s: float = 15.0) -> None:
         return
     pid = int(pid_file.read_text())
     pid_file.unlink()
+    proc = _STARTED.pop(base, None)
+    if proc is not None:  # ours: terminate and reap it
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+        return
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

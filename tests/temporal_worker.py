@@ -1,12 +1,14 @@
 """A Temporal worker process for tests/test_temporal_adapter.py.
 
-``python -m tests.temporal_worker ADDRESS QUEUE DB_URL PROVIDER_URL MODE HANG_FILE OWNER``
+``python -m tests.temporal_worker ADDRESS QUEUE DB_URL PROVIDER_URL MODE HANG_FILE OWNER STANDBY``
 
 Its one activity, ``place_order``, POSTs an order to the fake provider: guarded as class A
 (``guarded-a``: the provider deduplicates our key), class C (``guarded-c``) or not at all
 (``bare``: the positive control). While ``HANG_FILE`` exists, the activity hangs after the
 provider answered, heartbeating, so the test can SIGKILL this process between the
-provider's apply and the activity's completion. Keys come from ``$ONCEONLY_SECRETS``.
+provider's apply and the activity's completion; a worker started with ``standby`` starts
+polling only once ``HANG_FILE`` is gone (it is the one that takes over after the kill).
+Keys come from ``$ONCEONLY_SECRETS``.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ class PlaceOrder:
             "place_order",
             order,
             start_to_close_timeout=timedelta(seconds=timeout_s),
-            heartbeat_timeout=timedelta(seconds=3),
+            heartbeat_timeout=timedelta(seconds=2),
             retry_policy=RetryPolicy(
-                initial_interval=timedelta(milliseconds=300),
+                initial_interval=timedelta(milliseconds=200),
                 backoff_coefficient=1.0,
                 maximum_attempts=10,
             ),
@@ -90,8 +92,8 @@ def _activity(mode: str, provider: str, hang: Path, ledger: Ledger) -> Any:
 
 async def main(argv: list[str]) -> None:
     """Run the worker until killed."""
-    address, queue, db_url, provider, mode, hang, owner = argv
-    ledger = Ledger(Store.open(db_url), Keyring.from_env(), owner=owner, lease_s=4.0)
+    address, queue, db_url, provider, mode, hang, owner, standby = argv
+    ledger = Ledger(Store.open(db_url), Keyring.from_env(), owner=owner, lease_s=3.0)
     client = await Client.connect(address)
     worker = Worker(
         client,
@@ -100,7 +102,8 @@ async def main(argv: list[str]) -> None:
         activities=[_activity(mode, provider, Path(hang), ledger)],
         workflow_runner=UnsandboxedWorkflowRunner(),
     )
-    print("ready", flush=True)
+    while standby == "standby" and Path(hang).exists():  # ready, and waiting for the kill
+        await asyncio.sleep(0.05)
     await worker.run()
 
 

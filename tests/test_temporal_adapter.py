@@ -89,10 +89,13 @@ class Workers:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.env = dict(os.environ, ONCEONLY_SECRETS=f"k1:{SECRET_HEX}", PYTHONPATH=str(ROOT))
 
-    def start(self, mode: str, owner: str) -> subprocess.Popen[bytes]:
+    def start(self, mode: str, owner: str, *, standby: bool = False) -> subprocess.Popen[bytes]:
         argv = [self.address, self.queue, self.db_url, self.provider.url, mode, str(self.hang)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.temporal_worker", *argv, owner],
+            [
+                *(sys.executable, "-m", "tests.temporal_worker", *argv, owner),
+                "standby" if standby else "now",
+            ],
             env=self.env,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
@@ -116,7 +119,9 @@ def workers(
     temporal_address: str, db_url: str, provider: FakeProvider, tmp_path: Path
 ) -> Iterator[Workers]:
     """Worker processes sharing the test's ledger database (SQLite file or PostgreSQL)."""
-    Ledger(Store.open(db_url), Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))])).close()
+    store = Store.open(db_url)  # the ledger's tables, before the workers race to make them
+    Ledger(store, Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))])).close()
+    store.close()
     w = Workers(temporal_address, db_url, provider, tmp_path)
     try:
         yield w
@@ -149,17 +154,18 @@ def result(w: Workers, workflow_id: str) -> Any:
 
 
 def kill_after_apply(w: Workers, mode: str, wid: str, *, applied: int = 1) -> None:
-    """Start worker 1 (hanging after the provider answered), run the workflow, SIGKILL
-    the worker once the provider applied, then start worker 2 (which does not hang)."""
+    """Start worker 1 (hanging after the provider answered) and worker 2 (on standby),
+    run the workflow, SIGKILL worker 1 once the provider applied; worker 2 takes over."""
     w.hang.touch()
     first = w.start(mode, "worker-1")
+    w.start(mode, "worker-2", standby=True)
     start(w, wid, "order-1")
     wait_until(lambda: len(w.provider.applied) >= applied, "the provider to apply")
     w.kill(first)
     w.hang.unlink()
-    w.start(mode, "worker-2")
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # PostgreSQL: two workers
 def test_a_worker_killed_after_the_provider_applied_delivers_once(
     workers: Workers, provider: FakeProvider
 ) -> None:
@@ -189,11 +195,13 @@ def test_killed_while_the_answer_was_in_flight_class_a_resends_under_the_same_ke
     """The provider applied, its answer never came back: the claim is left open, and the
     retry (after its lease) re-sends under the same key, which the provider deduplicates."""
     provider.faults.append("drop")  # apply, then hold the answer back
+    workers.hang.touch()  # only to hold worker 2 on standby: the answer never comes
     workers.start("guarded-a", "worker-1")
+    workers.start("guarded-a", "worker-2", standby=True)
     start(workers, "wf-drop", "order-1")
     wait_until(lambda: len(provider.applied) == 1, "the provider to apply")
     workers.kill(workers.procs[0])
-    workers.start("guarded-a", "worker-2")
+    workers.hang.unlink()
     assert result(workers, "wf-drop")["request"] == {"order": "order-1"}
     assert len(provider.applied) == 1
     assert len(provider.writes) == 2  # re-sent, and deduplicated by its key
@@ -205,11 +213,13 @@ def test_class_c_in_doubt_fails_without_retry_and_replays_once_resolved(
     workers: Workers, provider: FakeProvider, db_url: str
 ) -> None:
     provider.faults.append("drop")
+    workers.hang.touch()
     workers.start("guarded-c", "worker-1")
+    workers.start("guarded-c", "worker-2", standby=True)
     start(workers, "wf-doubt", "order-1")
     wait_until(lambda: len(provider.applied) == 1, "the provider to apply")
     workers.kill(workers.procs[0])
-    workers.start("guarded-c", "worker-2")
+    workers.hang.unlink()
     with pytest.raises(WorkflowFailureError) as failed:
         result(workers, "wf-doubt")
     cause = failed.value.cause
@@ -259,7 +269,9 @@ def timed_out_attempt(w: Workers, mode: str) -> int:
     w.start(mode, "worker-1")
     start(w, "wf-timeout", "order-1", timeout_s=1.5)
     assert result(w, "wf-timeout")["request"] == {"order": "order-1"}
-    wait_until(lambda: len(w.provider.applied) >= 1, "the slow apply")
+    wait_until(
+        lambda: all(r.status is not None for r in w.provider.writes), "every request answered"
+    )
     return len(w.provider.applied)
 
 
@@ -280,9 +292,7 @@ def test_control_an_unguarded_attempt_that_times_out_delivers_twice(
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
-def test_two_workers_one_killed_every_order_once(
-    workers: Workers, provider: FakeProvider
-) -> None:
+def test_two_workers_one_killed_every_order_once(workers: Workers, provider: FakeProvider) -> None:
     workers.hang.touch()
     first = workers.start("guarded-a", "worker-1")
     second = workers.start("guarded-a", "worker-2")
@@ -319,12 +329,10 @@ def test_ledger_errors_become_temporal_errors_that_say_what_to_do() -> None:
 
 
 def test_beat_s_must_be_positive(tmp_path: Path) -> None:
-    ledger = Ledger(
-        Store.open(f"sqlite:///{tmp_path / 'l.db'}"),
-        Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))]),
-        witness="",
-    )
+    store = Store.open(f"sqlite:///{tmp_path / 'l.db'}")
+    ledger = Ledger(store, Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))]), witness="")
     with pytest.raises(ConfigurationError, match="beat_s"):
         guarded_activity(ledger, beat_s=0)
     ledger.close()
+    store.close()
     assert callable(activity_position)

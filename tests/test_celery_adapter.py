@@ -1,0 +1,232 @@
+"""Celery tasks against a real Redis broker and real ``celery worker`` processes.
+
+The oracle is the fake provider's own count of applied writes. A worker's pool process is
+SIGKILLed after the provider applied and before the task returned; with ``acks_late`` and
+``task_reject_on_worker_lost`` Celery redelivers the task (same task id). Guarded: one
+delivery. The positive control (the same task unguarded): two.
+
+Redis comes from ``ONCEONLY_TEST_REDIS_URL`` (``.ci/run`` starts one) or is started here
+once per session; a missing ``redis-server`` fails the tests, never skips them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from onceonly.adapters.celery import guarded_task, task_position
+from onceonly.checkpoint import Store
+from onceonly.checkpoint.errors import ConfigurationError
+from onceonly.ledger import Keyring, Ledger, Secret
+
+from . import engine_servers
+from .celery_app import make_app
+from .http_fake import FakeProvider
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET_HEX = "c3" * 32
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A Redis server's URL (one per session)."""
+    url = os.environ.get("ONCEONLY_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    base = Path(tempfile.mkdtemp(prefix="onceonly-redis-"))
+    try:
+        yield engine_servers.start("redis", base)
+    finally:
+        engine_servers.stop(base)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str) -> Iterator[Celery]:
+    """The tests' Celery app, as a client (sends tasks, reads results)."""
+    celery = make_app(redis_url)
+    try:
+        yield celery
+    finally:
+        celery.close()
+
+
+@pytest.fixture
+def provider() -> Iterator[FakeProvider]:
+    """A provider that deduplicates a key when one is sent (none is required)."""
+    fake = FakeProvider(dedup=True, require_key=False)
+    fake.start()
+    try:
+        yield fake
+    finally:
+        fake.stop()
+
+
+def wait_until(pred: Callable[[], bool], what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class Workers:
+    """``celery worker`` processes (prefork, one pool process each) on one queue."""
+
+    def __init__(self, redis_url: str, db_url: str, tmp: Path) -> None:
+        self.queue = f"q-{uuid.uuid4().hex[:8]}"
+        self.hang = tmp / "hang"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.env = dict(
+            os.environ,
+            ONCEONLY_SECRETS=f"k1:{SECRET_HEX}",
+            ONCEONLY_TEST_REDIS_URL=redis_url,
+            ONCEONLY_TEST_CELERY_DB=db_url,
+            PYTHONPATH=str(ROOT),
+        )
+        self.logs = tmp
+
+    def start(self, name: str) -> subprocess.Popen[bytes]:
+        with (self.logs / f"{name}.log").open("wb") as log:
+            proc = self._popen(log)
+        self.procs.append(proc)
+        return proc
+
+    def _popen(self, log: Any) -> subprocess.Popen[bytes]:
+        name = f"w{len(self.procs) + 1}"
+        return subprocess.Popen(
+            [
+                *(sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker"),
+                *("--pool", "prefork", "--concurrency", "1", "-Q", self.queue),
+                *("-n", f"{name}-{self.queue}@localhost", "--without-gossip", "--without-mingle"),
+                *("--without-heartbeat", "--loglevel", "INFO"),
+            ],
+            env=self.env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)  # its pool process exits with it
+                proc.wait(30)
+
+
+@pytest.fixture
+def workers(redis_url: str, db_url: str, tmp_path: Path) -> Iterator[Workers]:
+    """Worker processes sharing the test's ledger database (SQLite file or PostgreSQL)."""
+    store = Store.open(db_url)  # the ledger's tables, before the workers race to make them
+    Ledger(store, Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))])).close()
+    store.close()
+    w = Workers(redis_url, db_url, tmp_path)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def kill_pool_process_after_apply(
+    app: Celery, w: Workers, provider: FakeProvider, task: str, order: str = "order-1"
+) -> Any:
+    """Send ``task``; once the provider applied it, SIGKILL the pool process running it;
+    return the result of the redelivered task."""
+    w.hang.touch()
+    w.start("w1")
+    sent = app.send_task(task, args=[provider.url, order, str(w.hang)], queue=w.queue)
+    pid_file = Path(str(w.hang) + ".pid")
+    wait_until(pid_file.exists, "the task to reach the provider and hang")
+    assert len(provider.applied) == 1
+    w.hang.unlink()
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    return sent.get(timeout=90)
+
+
+def test_a_pool_process_killed_after_the_provider_applied_delivers_once(
+    app: Celery, workers: Workers, provider: FakeProvider
+) -> None:
+    answer = kill_pool_process_after_apply(app, workers, provider, "place_order")
+    assert answer["request"] == {"order": "order-1"}
+    assert len(provider.applied) == 1  # the redelivered task replayed the recorded result
+    assert len(provider.writes) == 1
+    assert "WorkerLostError" in (workers.logs / "w1.log").read_text()  # it really died
+
+
+def test_control_the_unguarded_task_delivers_twice(
+    app: Celery, redis_url: str, provider: FakeProvider, tmp_path: Path
+) -> None:
+    w = Workers(redis_url, f"sqlite:///{tmp_path / 'unused.db'}", tmp_path)
+    try:
+        kill_pool_process_after_apply(app, w, provider, "place_order_bare")
+    finally:
+        w.close()
+    assert len(provider.applied) == 2
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_business_key_makes_two_tasks_for_one_order_deliver_once(
+    app: Celery, workers: Workers, provider: FakeProvider
+) -> None:
+    workers.start("w1")
+    workers.start("w2")
+    sent = [
+        app.send_task(
+            "place_order_by_number",
+            args=[provider.url, "order-7", str(workers.hang)],
+            queue=workers.queue,
+        )
+        for _ in range(2)
+    ]
+    answers = [s.get(timeout=90) for s in sent]
+    assert answers[0] == answers[1]
+    assert len(provider.applied) == 1
+
+
+# -- in process -------------------------------------------------------------------------
+
+
+def test_a_task_acked_early_is_refused_with_the_fix() -> None:
+    local = Celery("refuse", broker="memory://", backend="cache+memory://")
+
+    @local.task(name="early")
+    @guarded_task()
+    def early() -> str:
+        return "sent"
+
+    outcome = early.apply()
+    assert isinstance(outcome.result, ConfigurationError)
+    assert "acks_late=True and reject_on_worker_lost=True" in str(outcome.result)
+
+    @local.task(name="late", acks_late=True, reject_on_worker_lost=True)
+    @guarded_task(key=lambda order: f"order:{order}")
+    def late(order: str) -> tuple[str, str]:
+        from celery import current_task
+
+        return task_position(current_task, f"order:{order}")
+
+    assert tuple(late.apply(args=["9"], task_id="t-1").get()) == ("celery:late/order:9", "task")
+    local.close()
+
+
+def test_a_guarded_task_called_directly_says_how_to_call_it() -> None:
+    @guarded_task()
+    def plain() -> str:
+        return "sent"
+
+    with pytest.raises(ConfigurationError, match="outside a Celery task"):
+        plain()
