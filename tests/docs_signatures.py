@@ -37,6 +37,8 @@ _SECTION_MODULES: dict[str, tuple[str, ...]] = {
         "onceonly.adapters.mcp",
         "onceonly.adapters.langgraph",
         "onceonly.adapters.langgraph_saver",
+        "onceonly.adapters.temporal",
+        "onceonly.adapters.celery",
     ),
     "Runtime": (
         "onceonly.flow",

@@ -101,6 +101,8 @@ async def main(argv: list[str]) -> None:
         workflows=[PlaceOrder],
         activities=[_activity(mode, provider, Path(hang), ledger)],
         workflow_runner=UnsandboxedWorkflowRunner(),
+        # No sticky queue: a killed worker's workflow tasks go to the others at once.
+        max_cached_workflows=0,
     )
     while standby == "standby" and Path(hang).exists():  # ready, and waiting for the kill
         await asyncio.sleep(0.05)

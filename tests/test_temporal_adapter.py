@@ -119,14 +119,19 @@ def workers(
     temporal_address: str, db_url: str, provider: FakeProvider, tmp_path: Path
 ) -> Iterator[Workers]:
     """Worker processes sharing the test's ledger database (SQLite file or PostgreSQL)."""
-    store = Store.open(db_url)  # the ledger's tables, before the workers race to make them
-    Ledger(store, Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))])).close()
-    store.close()
+    make_tables(db_url)
     w = Workers(temporal_address, db_url, provider, tmp_path)
     try:
         yield w
     finally:
         w.close()
+
+
+def make_tables(db_url: str) -> None:
+    """The ledger's tables, before the workers race to make them."""
+    store = Store.open(db_url)
+    Ledger(store, Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))])).close()
+    store.close()
 
 
 def run(coro: Any) -> Any:
@@ -146,82 +151,105 @@ async def _result(address: str, workflow_id: str) -> Any:
 
 
 def start(w: Workers, workflow_id: str, order: str, timeout_s: float = 60.0) -> None:
-    run(_start(w.address, w.queue, workflow_id, order, timeout_s))
+    """Start a workflow (its id made unique on the server by the workers' queue)."""
+    run(_start(w.address, w.queue, f"{w.queue}-{workflow_id}", order, timeout_s))
 
 
 def result(w: Workers, workflow_id: str) -> Any:
-    return run(asyncio.wait_for(_result(w.address, workflow_id), 120))
+    return run(asyncio.wait_for(_result(w.address, f"{w.queue}-{workflow_id}"), 120))
 
 
-def kill_after_apply(w: Workers, mode: str, wid: str, *, applied: int = 1) -> None:
+def kill_after_apply(w: Workers, mode: str, wid: str) -> Callable[[], None]:
     """Start worker 1 (hanging after the provider answered) and worker 2 (on standby),
-    run the workflow, SIGKILL worker 1 once the provider applied; worker 2 takes over."""
+    start the workflow; returns what SIGKILLs worker 1 once the provider applied (worker 2
+    then takes over)."""
     w.hang.touch()
     first = w.start(mode, "worker-1")
     w.start(mode, "worker-2", standby=True)
     start(w, wid, "order-1")
-    wait_until(lambda: len(w.provider.applied) >= applied, "the provider to apply")
-    w.kill(first)
-    w.hang.unlink()
+
+    def kill() -> None:
+        wait_until(lambda: len(w.provider.applied) >= 1, "the provider to apply")
+        w.kill(first)
+        w.hang.unlink()
+
+    return kill
+
+
+@pytest.fixture
+def other(temporal_address: str, tmp_path: Path) -> Iterator[Workers]:
+    """Workers of a second scenario run beside the first one (own queue and provider)."""
+    fake = FakeProvider(dedup=True, require_key=False, sleep_s=6.0)
+    fake.start()
+    (tmp_path / "other").mkdir()
+    db_url = f"sqlite:///{tmp_path / 'other.db'}"
+    make_tables(db_url)
+    w = Workers(temporal_address, db_url, fake, tmp_path / "other")
+    try:
+        yield w
+    finally:
+        w.close()
+        fake.stop()
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # PostgreSQL: two workers
 def test_a_worker_killed_after_the_provider_applied_delivers_once(
-    workers: Workers, provider: FakeProvider
+    workers: Workers, other: Workers
 ) -> None:
-    kill_after_apply(workers, "guarded-a", "wf-kill")
+    """Guarded: one delivery; beside it the control, the same activity unguarded: two."""
+    kills = [
+        kill_after_apply(workers, "guarded-a", "wf-kill"),
+        kill_after_apply(other, "bare", "wf-bare"),
+    ]
+    for kill in kills:
+        kill()
     answer = result(workers, "wf-kill")
+    result(other, "wf-bare")
     assert answer["request"] == {"order": "order-1"}
-    assert len(provider.applied) == 1  # the retry replayed the recorded result
-    assert len(provider.writes) == 1  # it did not even reach the provider
+    assert len(workers.provider.applied) == 1  # the retry replayed the recorded result
+    assert len(workers.provider.writes) == 1  # it did not even reach the provider
+    assert len(other.provider.applied) == 2  # the control: the retry delivered again
 
 
-def test_control_the_unguarded_activity_delivers_twice(
-    temporal_address: str, provider: FakeProvider, tmp_path: Path
-) -> None:
-    w = Workers(temporal_address, f"sqlite:///{tmp_path / 'unused.db'}", provider, tmp_path)
-    try:
-        kill_after_apply(w, "bare", "wf-bare")
-        result(w, "wf-bare")
-    finally:
-        w.close()
-    assert len(provider.applied) == 2
+def dropped_answer(w: Workers, mode: str, wid: str) -> Callable[[], None]:
+    """The provider applies and holds its answer back; returns what SIGKILLs worker 1
+    meanwhile (worker 2 takes over: the claim is left open, and its lease runs out)."""
+    w.provider.faults.append("drop")
+    w.hang.touch()  # only to hold worker 2 on standby: the answer never comes
+    first = w.start(mode, "worker-1")
+    w.start(mode, "worker-2", standby=True)
+    start(w, wid, "order-1")
+
+    def kill() -> None:
+        wait_until(lambda: len(w.provider.applied) == 1, "the provider to apply")
+        w.kill(first)
+        w.hang.unlink()
+
+    return kill
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
-def test_killed_while_the_answer_was_in_flight_class_a_resends_under_the_same_key(
-    workers: Workers, provider: FakeProvider
+def test_killed_while_the_answer_was_in_flight(
+    workers: Workers, other: Workers, db_url: str
 ) -> None:
-    """The provider applied, its answer never came back: the claim is left open, and the
-    retry (after its lease) re-sends under the same key, which the provider deduplicates."""
-    provider.faults.append("drop")  # apply, then hold the answer back
-    workers.hang.touch()  # only to hold worker 2 on standby: the answer never comes
-    workers.start("guarded-a", "worker-1")
-    workers.start("guarded-a", "worker-2", standby=True)
-    start(workers, "wf-drop", "order-1")
-    wait_until(lambda: len(provider.applied) == 1, "the provider to apply")
-    workers.kill(workers.procs[0])
-    workers.hang.unlink()
+    """Class A: the retry re-sends under the same key, which the provider deduplicates.
+    Class C: the effect is in doubt; the activity fails without retry, naming the key and
+    the command; once resolved, the workflow run again replays the recorded result."""
+    other.db_url = db_url
+    kills = [
+        dropped_answer(workers, "guarded-a", "wf-drop"),
+        dropped_answer(other, "guarded-c", "wf-doubt"),
+    ]
+    for kill in kills:
+        kill()
+
     assert result(workers, "wf-drop")["request"] == {"order": "order-1"}
-    assert len(provider.applied) == 1
-    assert len(provider.writes) == 2  # re-sent, and deduplicated by its key
-    assert len({r.idempotency_key for r in provider.writes}) == 1
+    assert len(workers.provider.applied) == 1
+    assert len(workers.provider.writes) == 2  # re-sent, and deduplicated by its key
+    assert len({r.idempotency_key for r in workers.provider.writes}) == 1
 
-
-@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
-def test_class_c_in_doubt_fails_without_retry_and_replays_once_resolved(
-    workers: Workers, provider: FakeProvider, db_url: str
-) -> None:
-    provider.faults.append("drop")
-    workers.hang.touch()
-    workers.start("guarded-c", "worker-1")
-    workers.start("guarded-c", "worker-2", standby=True)
-    start(workers, "wf-doubt", "order-1")
-    wait_until(lambda: len(provider.applied) == 1, "the provider to apply")
-    workers.kill(workers.procs[0])
-    workers.hang.unlink()
     with pytest.raises(WorkflowFailureError) as failed:
-        result(workers, "wf-doubt")
+        result(other, "wf-doubt")
     cause = failed.value.cause
     assert isinstance(cause, ActivityError)
     error = cause.cause
@@ -230,82 +258,67 @@ def test_class_c_in_doubt_fails_without_retry_and_replays_once_resolved(
     assert error.non_retryable
     key_id = error.details[0]
     assert f"onceonly effects resolve {key_id}" in error.message
-    assert len(provider.applied) == 1  # never re-sent blindly
+    assert len(other.provider.applied) == 1  # never re-sent blindly
+    assert len(other.provider.writes) == 1
 
-    recorded = {"status": 201, "json": provider.applied[0][1]}
+    recorded = {"status": 201, "json": other.provider.applied[0][1]}
     subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "onceonly",
-            "effects",
-            "resolve",
-            key_id,
-            "--url",
-            db_url,
-            "--happened",
-            "--result",
-            json.dumps(recorded),
-            "--evidence",
-            "order 1 is in the provider's list",
-            "--as",
-            "ops@example.com",
+            *(sys.executable, "-m", "onceonly", "effects", "resolve", key_id, "--url", db_url),
+            *("--happened", "--result", json.dumps(recorded)),
+            *("--evidence", "order 1 is in the provider's list", "--as", "ops@example.com"),
         ],
-        env=workers.env,
+        env=other.env,
         check=True,
         capture_output=True,
     )
-    start(workers, "wf-doubt", "order-1")  # the workflow again, under the same id
-    assert result(workers, "wf-doubt") == provider.applied[0][1]
-    assert len(provider.applied) == 1
+    start(other, "wf-doubt", "order-1")  # the workflow again, under the same id
+    assert result(other, "wf-doubt") == other.provider.applied[0][1]
+    assert len(other.provider.applied) == 1
 
 
-def timed_out_attempt(w: Workers, mode: str) -> int:
+def timed_out_attempt(w: Workers, mode: str) -> Callable[[], int]:
     """The provider is slower than the activity's start-to-close timeout: Temporal starts
-    another attempt while the first one's request is still being applied. Returns the
-    provider's applied writes once the workflow completed and the slow apply landed."""
+    another attempt while the first one's request is still being applied. Returns what
+    waits for the workflow and every request's answer and counts the applied writes."""
     w.provider.faults.append("slow")  # holds the key in flight for sleep_s, then applies
     w.provider.sleep_s = 4.0
     w.start(mode, "worker-1")
     start(w, "wf-timeout", "order-1", timeout_s=1.5)
-    assert result(w, "wf-timeout")["request"] == {"order": "order-1"}
-    wait_until(
-        lambda: all(r.status is not None for r in w.provider.writes), "every request answered"
-    )
-    return len(w.provider.applied)
 
+    def applied() -> int:
+        assert result(w, "wf-timeout")["request"] == {"order": "order-1"}
+        wait_until(lambda: all(r.status is not None for r in w.provider.writes), "every answer")
+        return len(w.provider.applied)
 
-def test_an_attempt_that_times_out_is_retried_without_a_second_delivery(
-    workers: Workers,
-) -> None:
-    assert timed_out_attempt(workers, "guarded-a") == 1
-
-
-def test_control_an_unguarded_attempt_that_times_out_delivers_twice(
-    temporal_address: str, provider: FakeProvider, tmp_path: Path
-) -> None:
-    w = Workers(temporal_address, f"sqlite:///{tmp_path / 'unused.db'}", provider, tmp_path)
-    try:
-        assert timed_out_attempt(w, "bare") == 2
-    finally:
-        w.close()
+    return applied
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
-def test_two_workers_one_killed_every_order_once(workers: Workers, provider: FakeProvider) -> None:
+def test_an_attempt_that_times_out_is_retried_without_a_second_delivery(
+    workers: Workers, other: Workers
+) -> None:
+    """Guarded: one delivery; beside it the control, unguarded: two."""
+    guarded, control = timed_out_attempt(workers, "guarded-a"), timed_out_attempt(other, "bare")
+    assert guarded() == 1
+    assert control() == 2
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_two_workers_one_killed_every_order_once(workers: Workers) -> None:
     workers.hang.touch()
     first = workers.start("guarded-a", "worker-1")
     second = workers.start("guarded-a", "worker-2")
     orders = [f"order-{i}" for i in range(6)]
     for order in orders:
         start(workers, f"wf-{order}", order)
-    wait_until(lambda: len(provider.applied) == len(orders), "every order applied")
+    wait_until(lambda: len(workers.provider.applied) == len(orders), "every order applied")
     workers.kill(first)
     workers.hang.unlink()
     for order in orders:
         assert result(workers, f"wf-{order}")["request"] == {"order": order}
     assert second.poll() is None
-    assert sorted(r["request"]["order"] for _, r in provider.applied) == orders
+    assert sorted(r["request"]["order"] for _, r in workers.provider.applied) == orders
 
 
 # -- without a server -------------------------------------------------------------------
