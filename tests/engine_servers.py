@@ -25,13 +25,13 @@ from pathlib import Path
 
 from onceonly.testing.servers import free_port, wait_listening
 
-__all__ = ["start", "stop"]
+__all__ = ["start", "stop", "temporal_cli"]
 
 # The servers this process started (a Popen dropped while its process runs warns).
 _STARTED: dict[Path, subprocess.Popen[bytes]] = {}
 
 
-def _temporal() -> str:
+def temporal_cli() -> str:
     beside = Path(sys.executable).with_name("temporal")
     found = str(beside) if beside.exists() else shutil.which("temporal")
     if found is None:
@@ -64,7 +64,7 @@ def start(kind: str, base: Path, timeout_s: float = 60.0) -> str:
     port = free_port()
     if kind == "temporal":
         argv = [
-            _temporal(),
+            temporal_cli(),
             "server",
             "start-dev",
             "--headless",

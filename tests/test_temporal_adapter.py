@@ -321,6 +321,81 @@ def test_two_workers_one_killed_every_order_once(workers: Workers) -> None:
     assert sorted(r["request"]["order"] for _, r in workers.provider.applied) == orders
 
 
+def reset_after_completion(w: Workers, mode: str) -> Callable[[], int]:
+    """Run the workflow to completion, then reset it to its first workflow task: the new
+    run schedules the activity again, at the same position. Returns what waits for the
+    new run and counts the provider's applied writes."""
+    w.start(mode, "worker-1")
+    start(w, "wf-reset", "order-1")
+
+    def applied() -> int:
+        first = result(w, "wf-reset")
+        subprocess.run(
+            [
+                *(engine_servers.temporal_cli(), "workflow", "reset", "--address", w.address),
+                *("-w", f"{w.queue}-wf-reset", "-t", "FirstWorkflowTask"),
+                *("--reason", "replay the order"),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        again = result(w, "wf-reset")  # the new run's result
+        assert again["request"] == first["request"]
+        if mode != "bare":
+            assert again == first  # replayed
+        return len(w.provider.applied)
+
+    return applied
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_workflow_reset_replays_the_effect(workers: Workers, other: Workers) -> None:
+    """Guarded: one delivery; beside it the control, unguarded: two."""
+    guarded, control = (
+        reset_after_completion(workers, "guarded-a"),
+        reset_after_completion(other, "bare"),
+    )
+    assert guarded() == 1
+    assert control() == 2
+
+
+async def _attempts(address: str, workflow_id: str) -> int:
+    client = await Client.connect(address)
+    history = await client.get_workflow_handle(workflow_id).fetch_history()
+    return max(
+        e.activity_task_started_event_attributes.attempt
+        for e in history.events
+        if e.HasField("activity_task_started_event_attributes")
+    )
+
+
+def slow_provider(w: Workers, mode: str) -> Callable[[], int]:
+    """The provider takes 5 s, longer than the activity's 2 s heartbeat timeout. Returns
+    what waits for the workflow and counts the attempts Temporal started."""
+    w.provider.faults.append("slow")
+    w.provider.sleep_s = 5.0
+    w.start(mode, "worker-1")
+    start(w, "wf-slow", "order-1")
+
+    def attempts() -> int:
+        assert result(w, "wf-slow")["request"] == {"order": "order-1"}
+        return int(run(_attempts(w.address, f"{w.queue}-wf-slow")))
+
+    return attempts
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_the_activity_heartbeats_while_its_effect_is_in_flight(
+    workers: Workers, other: Workers
+) -> None:
+    """Guarded: the slow call heartbeats, and the first attempt completes; beside it the
+    control, unguarded (no heartbeat): the attempt times out and is retried."""
+    guarded, control = slow_provider(workers, "guarded-a"), slow_provider(other, "bare")
+    assert guarded() == 1
+    assert len(workers.provider.applied) == 1
+    assert control() > 1
+
+
 # -- without a server -------------------------------------------------------------------
 
 
