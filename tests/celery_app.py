@@ -7,8 +7,8 @@ Tasks (all ``acks_late=True``, ``reject_on_worker_lost=True``): ``place_order`` 
 order to the fake provider as a guarded class A effect keyed by the task id;
 ``place_order_by_number`` the same keyed by the order number (a business key); and
 ``place_order_bare`` without a guard (the positive control). While the file ``hang`` names
-exists, a task hangs after the provider answered, having written its process id to
-``hang + ".pid"``, so the test can SIGKILL the pool process between the provider's apply
+exists, a task hangs after the provider answered (each task writes its process id to
+``hang + ".pid"`` first), so the test can SIGKILL the pool process between the provider's apply
 and the task's end.
 """
 
@@ -57,8 +57,12 @@ def _client(pid: int, provider: str) -> GuardedHTTP:
     return GuardedHTTP(httpx.Client(base_url=provider, timeout=30.0), ledger)
 
 
-def _hang_while_asked(hang: str) -> None:
+def _started(hang: str) -> None:
     Path(hang + ".pid").write_text(str(os.getpid()))
+
+
+def _hang_while_asked(hang: str) -> None:
+    Path(hang + ".hanging").touch()  # the provider answered, the task has not returned
     while Path(hang).exists():  # the test SIGKILLs this process here
         time.sleep(0.05)
 
@@ -78,6 +82,7 @@ def _post(provider: str, order: str) -> Any:
 @guarded_task()
 def place_order(provider: str, order: str, hang: str) -> Any:
     """Place ``order`` once per task id."""
+    _started(hang)
     result = _post(provider, order)
     _hang_while_asked(hang)
     return result
@@ -87,6 +92,7 @@ def place_order(provider: str, order: str, hang: str) -> Any:
 @guarded_task(key=lambda provider, order, hang: f"order:{order}")
 def place_order_by_number(provider: str, order: str, hang: str) -> Any:
     """Place ``order`` once, whichever task asks for it."""
+    _started(hang)
     result = _post(provider, order)
     _hang_while_asked(hang)
     return result
@@ -95,6 +101,7 @@ def place_order_by_number(provider: str, order: str, hang: str) -> Any:
 @app.task(name="place_order_bare", acks_late=True, reject_on_worker_lost=True)
 def place_order_bare(provider: str, order: str, hang: str) -> Any:
     """The control: no guard."""
+    _started(hang)
     with httpx.Client(base_url=provider, timeout=30.0) as client:
         result = client.post("/orders", json={"order": order}).json()
     _hang_while_asked(hang)

@@ -142,40 +142,79 @@ def workers(redis_url: str, db_url: str, tmp_path: Path) -> Iterator[Workers]:
 
 
 def kill_pool_process_after_apply(
-    app: Celery, w: Workers, provider: FakeProvider, task: str, order: str = "order-1"
-) -> Any:
-    """Send ``task``; once the provider applied it, SIGKILL the pool process running it;
-    return the result of the redelivered task."""
+    app: Celery, w: Workers, provider: FakeProvider, task: str, *, after_answer: bool = True
+) -> Callable[[], Any]:
+    """Start a worker and send ``task``; returns what SIGKILLs the pool process running it
+    once the provider applied it (and, ``after_answer``, the task got its answer) and
+    returns the redelivered task's result."""
     w.hang.touch()
     w.start("w1")
-    sent = app.send_task(task, args=[provider.url, order, str(w.hang)], queue=w.queue)
-    pid_file = Path(str(w.hang) + ".pid")
-    wait_until(pid_file.exists, "the task to reach the provider and hang")
-    assert len(provider.applied) == 1
-    w.hang.unlink()
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    return sent.get(timeout=90)
+    sent = app.send_task(task, args=[provider.url, "order-1", str(w.hang)], queue=w.queue)
+
+    def kill() -> Any:
+        pid_file = Path(str(w.hang) + ".pid")
+        wait_until(lambda: len(provider.applied) == 1, "the provider to apply")
+        wait_until(pid_file.exists, "the task's process id")
+        if after_answer:  # the provider answered and the ledger recorded it: wait for that
+            wait_until(Path(str(w.hang) + ".hanging").exists, "the task to hang")
+        w.hang.unlink()
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        return sent.get(timeout=90)
+
+    return kill
+
+
+@pytest.fixture
+def control(redis_url: str, tmp_path: Path) -> Iterator[tuple[Workers, FakeProvider]]:
+    """Workers and a provider for the positive control, run beside the guarded case."""
+    fake = FakeProvider(dedup=True, require_key=False)
+    fake.start()
+    (tmp_path / "control").mkdir()
+    w = Workers(redis_url, f"sqlite:///{tmp_path / 'unused.db'}", tmp_path / "control")
+    try:
+        yield w, fake
+    finally:
+        w.close()
+        fake.stop()
 
 
 def test_a_pool_process_killed_after_the_provider_applied_delivers_once(
-    app: Celery, workers: Workers, provider: FakeProvider
+    app: Celery,
+    workers: Workers,
+    provider: FakeProvider,
+    control: tuple[Workers, FakeProvider],
+    db_url: str,
 ) -> None:
-    answer = kill_pool_process_after_apply(app, workers, provider, "place_order")
+    """Guarded: one delivery; beside it (on SQLite) the control, unguarded: two."""
+    kills = [kill_pool_process_after_apply(app, workers, provider, "place_order")]
+    bare, bare_provider = control
+    if db_url.startswith("sqlite"):
+        kills.append(kill_pool_process_after_apply(app, bare, bare_provider, "place_order_bare"))
+    answer, *_ = [kill() for kill in kills]
     assert answer["request"] == {"order": "order-1"}
     assert len(provider.applied) == 1  # the redelivered task replayed the recorded result
     assert len(provider.writes) == 1
     assert "WorkerLostError" in (workers.logs / "w1.log").read_text()  # it really died
+    if db_url.startswith("sqlite"):
+        assert len(bare_provider.applied) == 2  # the control: delivered again
 
 
-def test_control_the_unguarded_task_delivers_twice(
-    app: Celery, redis_url: str, provider: FakeProvider, tmp_path: Path
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_killed_while_the_answer_was_in_flight_the_redelivery_resends_under_the_same_key(
+    app: Celery, workers: Workers, provider: FakeProvider
 ) -> None:
-    w = Workers(redis_url, f"sqlite:///{tmp_path / 'unused.db'}", tmp_path)
-    try:
-        kill_pool_process_after_apply(app, w, provider, "place_order_bare")
-    finally:
-        w.close()
-    assert len(provider.applied) == 2
+    """The provider applied and holds its answer back; the pool process dies with its claim
+    open. The redelivered task waits out the claim's lease, then (class A) re-sends under
+    the same key, which the provider deduplicates."""
+    provider.faults.append("drop")  # popped by the request: the kill comes before the answer
+    provider.sleep_s = 8.0
+    answer = kill_pool_process_after_apply(
+        app, workers, provider, "place_order", after_answer=False
+    )()
+    assert answer["request"] == {"order": "order-1"}
+    assert len(provider.applied) == 1
+    assert len(provider.writes) == 2
+    assert len({r.idempotency_key for r in provider.writes}) == 1
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
@@ -183,7 +222,6 @@ def test_a_business_key_makes_two_tasks_for_one_order_deliver_once(
     app: Celery, workers: Workers, provider: FakeProvider
 ) -> None:
     workers.start("w1")
-    workers.start("w2")
     sent = [
         app.send_task(
             "place_order_by_number",
