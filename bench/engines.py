@@ -249,6 +249,20 @@ def section(doc: dict[str, Any]) -> list[str]:
             f"{r['ratio_median']:.2f}{TIMES} ({lo:.2f}{TIMES} to {hi:.2f}{TIMES}) |"
         )
     load = "/".join(f"{x:.1f}" for x in doc["load_start"])
+    notes = []
+    for engine, r in doc["engines"].items():
+        lo, hi = r["ratio_range"]
+        bare = r["per_run"]["bare"]
+        if lo < 1 < hi:
+            notes += [
+                (
+                    f"- {names.get(engine, engine)}: the unguarded round trip itself ranged "
+                    f"{min(bare) * 1e3:.1f} to {max(bare) * 1e3:.1f} ms over the runs, more "
+                    "than the guard costs: the guarded and unguarded figures are not "
+                    "distinguishable in this run."
+                ),
+                "",
+            ]
     return [
         "## Engines: the guard per Temporal activity and per Celery task",
         "",
@@ -274,6 +288,7 @@ def section(doc: dict[str, Any]) -> list[str]:
             "make up the rest."
         ),
         "",
+        *notes,
     ]
 
 
