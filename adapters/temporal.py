@@ -48,11 +48,12 @@ the workflow id and an iteration the workflow passes to its activities).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
 import inspect
+import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar, cast
@@ -84,6 +85,8 @@ __all__ = ["activity_position", "guarded_activity", "temporal_error"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+log = logging.getLogger("onceonly.adapters")
 
 _FINAL = (EffectInDoubt, ResultUnknown, EffectFailed, KeyReuseError, PayloadErased, StepDiverged)
 
@@ -122,7 +125,7 @@ def temporal_error(exc: Exception) -> ApplicationError | None:
             f"after its lease",
             key_id,
             type="EffectInFlight",
-            next_retry_delay=timedelta(seconds=5),
+            next_retry_delay=timedelta(seconds=max(exc.expires_at - time.time(), 0.0) + 0.5),
         )
     if not isinstance(exc, _FINAL):
         return None
@@ -197,9 +200,17 @@ class _Beats:
         with self._lock:
             claims = list(self._live.values())
         for claim in claims:
-            # the entry moved on: the guard's outcome is refused and says so
-            with contextlib.suppress(LeaseLost):
+            try:
                 self.ledger.renew(claim)
+            except LeaseLost:
+                pass  # the entry moved on: the guard's outcome is refused and says so
+            except Exception:  # the heartbeat goes on; the guard decides the outcome
+                log.warning(
+                    "renewing the lease of effect %s… failed; its claim may lapse while the "
+                    "call is in flight",
+                    claim.key_id[:16],
+                    exc_info=True,
+                )
         return claims[0].key_id if claims else None
 
     async def _abeat(self) -> None:

@@ -13,6 +13,7 @@ here once per session; a missing ``temporal`` program fails the tests, never ski
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -27,13 +28,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.testing import ActivityEnvironment
 
+from onceonly.adapters import guard
 from onceonly.adapters.temporal import activity_position, guarded_activity, temporal_error
 from onceonly.checkpoint import Store
 from onceonly.checkpoint.errors import ConfigurationError
-from onceonly.ledger import EffectInDoubt, EffectInFlight, Keyring, Ledger, Secret
+from onceonly.ledger import (
+    EffectIdentity,
+    EffectInDoubt,
+    EffectInFlight,
+    InFlightPolicy,
+    Keyring,
+    LeaseLost,
+    Ledger,
+    LedgerError,
+    Secret,
+)
 
 from . import engine_servers
 from .http_fake import FakeProvider
@@ -424,3 +438,119 @@ def test_beat_s_must_be_positive(tmp_path: Path) -> None:
     ledger.close()
     store.close()
     assert callable(activity_position)
+
+
+def environment(
+    workflow_id: str = "wf-1", activity_id: str = "1", **info: Any
+) -> ActivityEnvironment:
+    """Temporal's in-process activity environment, as attempt 1 of activity ``activity_id``
+    of workflow ``workflow_id`` (``info`` replaces more fields)."""
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(
+        ActivityEnvironment.default_info(),
+        workflow_id=workflow_id,
+        activity_id=activity_id,
+        activity_type="mail",
+        **info,
+    )
+    return env
+
+
+def test_keys_come_from_the_workflow_and_the_activity_never_the_attempt_or_run(
+    store: Store,
+) -> None:
+    ledger = Ledger(store, Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))]), witness="")
+    sent: list[str] = []
+
+    def deliver(to: str) -> int:
+        sent.append(to)
+        return len(sent)
+
+    send = guard(ledger, effect="mail@1", provider_class="C")(deliver)
+
+    @activity.defn(name="mail")
+    @guarded_activity(ledger)
+    def mail(to: str) -> int:
+        return send(to)
+
+    # retries (attempts), a reset or a new run of the same workflow id: one delivery
+    for attempt, run_id in ((1, "run-1"), (2, "run-1"), (1, "run-2")):
+        env = environment(attempt=attempt, workflow_run_id=run_id)
+        assert env.run(mail, "ada@example.com") == 1
+    assert sent == ["ada@example.com"]
+    # another activity of the workflow, or another workflow: their own effects
+    assert environment(activity_id="2").run(mail, "ada@example.com") == 2
+    assert environment(workflow_id="wf-2").run(mail, "ada@example.com") == 3
+
+    # run_key names the run instead of the workflow id (continue-as-new)
+    @activity.defn(name="mail")
+    @guarded_activity(ledger, run_key=lambda info: f"{info.workflow_id}/{info.heartbeat_timeout}")
+    def mail_by_run_key(to: str) -> int:
+        return send(to)
+
+    assert environment().run(mail_by_run_key, "ada@example.com") == 4
+    assert environment().run(mail_by_run_key, "ada@example.com") == 4
+    assert activity_position(environment().info) == ("temporal:default/wf-1", "mail#1")
+    ledger.close()
+
+
+@pytest.mark.parametrize("renewed", [True, False], ids=["beats", "control-no-renewal"])
+def test_an_async_activity_heartbeats_the_key_id_while_its_effect_is_in_flight(
+    store: Store, renewed: bool
+) -> None:
+    """While the effect is in flight, the activity heartbeats its key id and renews the
+    claim's lease: another worker sees the claim live past its first lease. The control
+    (beats too rare to renew) shows that worker taking the claim for expired."""
+    ledger = Ledger(
+        store, Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))]), witness="", lease_s=1.0
+    )
+
+    other = Ledger(
+        store,
+        Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))]),
+        witness="",
+        owner="another-worker",
+        in_flight=InFlightPolicy(wait_s=0),
+    )
+    seen: list[str] = []
+
+    async def slow(order: str) -> str:
+        await asyncio.sleep(1.5)  # past the first lease: live only if it was renewed
+        try:
+            other.claim(identity_of(ledger), {"order": order}, provider_class="C")
+        except LedgerError as exc:  # EffectInFlight: the claim is live, not expired
+            seen.append(type(exc).__name__)
+        return order
+
+    place = guard(ledger, effect="order@1", provider_class="C")(slow)
+
+    @activity.defn(name="mail")
+    @guarded_activity(ledger, beat_s=0.1 if renewed else 100.0)
+    async def place_order(order: str) -> str:
+        before = await place(order)
+        await asyncio.sleep(0.5)  # no effect in flight: no heartbeat
+        return before
+
+    beats: list[tuple[Any, ...]] = []
+    env = environment()
+    env.on_heartbeat = lambda *details: beats.append(details)
+    key_id = ledger.key_id(identity_of(ledger))
+    try:
+        if not renewed:
+            with pytest.raises(LeaseLost):  # the entry was moved on under it
+                asyncio.run(env.run(place_order, "o-1"))
+            assert seen == ["EffectInDoubt"]  # the other worker took it for abandoned
+            return
+        assert asyncio.run(env.run(place_order, "o-1")) == "o-1"
+        assert len(beats) >= 2  # when the call started, and while it was in flight
+        assert all(b == (key_id,) for b in beats)
+        assert seen == ["EffectInFlight"]
+        assert ledger.get(key_id).status == "committed"
+    finally:
+        other.close()
+        ledger.close()
+
+
+def identity_of(ledger: Ledger) -> EffectIdentity:
+    """The identity of the first ``order@1`` effect of activity 1 of workflow wf-1."""
+    return EffectIdentity("", "temporal:default/wf-1", "mail#1", 0, "order@1", 0)
