@@ -39,7 +39,7 @@ class PlaceOrder:
 
     @workflow.run
     async def run(self, order: str, timeout_s: float = 60.0) -> Any:
-        """Place ``order``; Temporal retries the activity up to 10 times."""
+        """Place ``order``; Temporal retries the activity up to 20 times."""
         return await workflow.execute_activity(
             "place_order",
             order,
@@ -48,7 +48,7 @@ class PlaceOrder:
             retry_policy=RetryPolicy(
                 initial_interval=timedelta(milliseconds=200),
                 backoff_coefficient=1.0,
-                maximum_attempts=10,
+                maximum_attempts=20,
             ),
         )
 

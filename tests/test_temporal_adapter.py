@@ -502,7 +502,7 @@ def test_an_async_activity_heartbeats_the_key_id_while_its_effect_is_in_flight(
     claim's lease: another worker sees the claim live past its first lease. The control
     (beats too rare to renew) shows that worker taking the claim for expired."""
     ledger = Ledger(
-        store, Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))]), witness="", lease_s=1.0
+        store, Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))]), witness="", lease_s=0.6
     )
 
     other = Ledger(
@@ -515,7 +515,7 @@ def test_an_async_activity_heartbeats_the_key_id_while_its_effect_is_in_flight(
     seen: list[str] = []
 
     async def slow(order: str) -> str:
-        await asyncio.sleep(1.5)  # past the first lease: live only if it was renewed
+        await asyncio.sleep(1.0)  # past the first lease: live only if it was renewed
         try:
             other.claim(identity_of(ledger), {"order": order}, provider_class="C")
         except LedgerError as exc:  # EffectInFlight: the claim is live, not expired
@@ -525,10 +525,10 @@ def test_an_async_activity_heartbeats_the_key_id_while_its_effect_is_in_flight(
     place = guard(ledger, effect="order@1", provider_class="C")(slow)
 
     @activity.defn(name="mail")
-    @guarded_activity(ledger, beat_s=0.1 if renewed else 100.0)
+    @guarded_activity(ledger, beat_s=0.05 if renewed else 100.0)
     async def place_order(order: str) -> str:
         before = await place(order)
-        await asyncio.sleep(0.5)  # no effect in flight: no heartbeat
+        await asyncio.sleep(0.2)  # no effect in flight: no heartbeat
         return before
 
     beats: list[tuple[Any, ...]] = []
