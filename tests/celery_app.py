@@ -1,7 +1,8 @@
 """The Celery app of tests/test_celery_adapter.py, run by real ``celery worker`` processes.
 
 Configured from the environment: ``ONCEONLY_TEST_REDIS_URL`` (broker and result backend),
-``ONCEONLY_TEST_CELERY_DB`` (the ledger's database), ``ONCEONLY_SECRETS`` (its keys).
+``ONCEONLY_TEST_CELERY_DB`` (the ledger's database), ``ONCEONLY_SECRETS`` (its keys),
+``ONCEONLY_TEST_CELERY_VISIBILITY_S`` (Redis's visibility timeout, if set).
 
 Tasks (all ``acks_late=True``, ``reject_on_worker_lost=True``): ``place_order`` POSTs an
 order to the fake provider as a guarded class A effect keyed by the task id;
@@ -43,6 +44,9 @@ def make_app(redis_url: str) -> Celery:
         worker_hijack_root_logger=False,
         result_expires=600,
     )
+    visibility = os.environ.get("ONCEONLY_TEST_CELERY_VISIBILITY_S")
+    if visibility:  # how long Redis keeps an unacked message from the other workers
+        celery.conf.broker_transport_options = {"visibility_timeout": float(visibility)}
     return celery
 
 

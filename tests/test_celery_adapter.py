@@ -217,6 +217,49 @@ def test_killed_while_the_answer_was_in_flight_the_redelivery_resends_under_the_
     assert len({r.idempotency_key for r in provider.writes}) == 1
 
 
+def kill_whole_worker_after_apply(
+    app: Celery, w: Workers, provider: FakeProvider, task: str
+) -> Callable[[], Any]:
+    """Start two workers, send ``task``; returns what SIGKILLs the worker running it (its
+    main process and its pool process) once the task got the provider's answer, and
+    returns the result of the task as Redis redelivers it to the other worker (after the
+    visibility timeout)."""
+    w.env["ONCEONLY_TEST_CELERY_VISIBILITY_S"] = "3"
+    w.hang.touch()
+    w.start("w1")
+    sent = app.send_task(task, args=[provider.url, "order-1", str(w.hang)], queue=w.queue)
+
+    def kill() -> Any:
+        wait_until(Path(str(w.hang) + ".hanging").exists, "the task to hang")
+        w.start("w2")  # started now: it cannot have taken the task
+        w.procs[0].send_signal(signal.SIGKILL)
+        w.procs[0].wait(30)
+        os.kill(int(Path(str(w.hang) + ".pid").read_text()), signal.SIGKILL)
+        w.hang.unlink()
+        return sent.get(timeout=90)
+
+    return kill
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
+def test_a_whole_worker_killed_the_task_redelivered_to_another_delivers_once(
+    app: Celery,
+    workers: Workers,
+    provider: FakeProvider,
+    control: tuple[Workers, FakeProvider],
+) -> None:
+    """Guarded: one delivery; beside it the control, unguarded: two."""
+    bare, bare_provider = control
+    kills = [
+        kill_whole_worker_after_apply(app, workers, provider, "place_order"),
+        kill_whole_worker_after_apply(app, bare, bare_provider, "place_order_bare"),
+    ]
+    answer, _ = [kill() for kill in kills]
+    assert answer["request"] == {"order": "order-1"}
+    assert len(provider.applied) == 1
+    assert len(bare_provider.applied) == 2
+
+
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)
 def test_a_business_key_makes_two_tasks_for_one_order_deliver_once(
     app: Celery, workers: Workers, provider: FakeProvider
