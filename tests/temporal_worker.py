@@ -58,6 +58,8 @@ def _activity(mode: str, provider: str, hang: Path, ledger: Ledger) -> Any:
     guarded = AsyncGuardedHTTP(client, ledger)
 
     async def hang_while_asked() -> None:
+        if hang.exists():  # the provider answered (and the guard recorded it)
+            hang.with_suffix(".hanging").touch()
         while hang.exists():  # the test SIGKILLs us here
             activity.heartbeat()
             await asyncio.sleep(0.2)

@@ -183,7 +183,7 @@ def kill_after_apply(w: Workers, mode: str, wid: str) -> Callable[[], None]:
     start(w, wid, "order-1")
 
     def kill() -> None:
-        wait_until(lambda: len(w.provider.applied) >= 1, "the provider to apply")
+        wait_until(w.hang.with_suffix(".hanging").exists, "the activity to hang")
         w.kill(first)
         w.hang.unlink()
 
