@@ -28,7 +28,9 @@ Outcomes of the ledger inside the task:
   again under the same task id (``apply_async(..., task_id=ID)``) or the same business
   key: the effect replays the recorded result (or is sent, if it did not happen).
 
-The decorator refuses a task without ``acks_late`` and ``reject_on_worker_lost``: acked
+While a guarded call is in flight its claim's lease is renewed (every third of the
+ledger's ``lease_s``), so a redelivery does not take a long call for abandoned. The
+decorator refuses a task without ``acks_late`` and ``reject_on_worker_lost``: acked
 early, a task whose worker died is lost, and its effect with it.
 """
 
@@ -50,7 +52,8 @@ except ImportError as exc:  # pragma: no cover  (tests/test_extras.py runs it)
 from onceonly.checkpoint.errors import ConfigurationError
 from onceonly.ledger import EffectInDoubt, EffectInFlight
 
-from .context import step
+from . import _leases
+from .context import _watching, step
 
 __all__ = ["guarded_task", "task_position"]
 
@@ -126,7 +129,7 @@ def guarded_task(
             _check(task)
             run_id, step_id = task_position(task, None if key is None else key(*args, **kwargs))
             try:
-                with step(run_id, step_id, tenant=tenant):
+                with step(run_id, step_id, tenant=tenant), _watching(_leases.LeaseKeeper()):
                     return fn(*args, **kwargs)
             except EffectInFlight as exc:
                 wait = max(exc.expires_at - time.time(), 0.0) + 0.5

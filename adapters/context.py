@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
-from onceonly.ledger import Claim, EffectIdentity
+from onceonly.ledger import Claim, EffectIdentity, Ledger
 
 __all__ = ["StepDiverged", "current_claim", "identity_for", "step"]
 
@@ -136,7 +136,7 @@ class _Watcher(Protocol):
     """An engine adapter (Temporal's activity guard) watching the calls in flight below
     it: it heartbeats the engine and renews the claim's lease meanwhile."""
 
-    def started(self, claim: Claim) -> None: ...  # acting under ``claim`` begins
+    def started(self, claim: Claim, ledger: Ledger) -> None: ...  # acting under ``claim``
 
     def stopped(self, claim: Claim) -> None: ...  # ... and has ended
 
@@ -262,11 +262,11 @@ def current_claim() -> Claim:
 
 
 @contextlib.contextmanager
-def _acting(claim: Claim) -> Iterator[None]:
+def _acting(claim: Claim, ledger: Ledger) -> Iterator[None]:
     token = _CLAIM.set(claim)
     watch = _WATCH.get()
     if watch is not None:
-        watch.started(claim)
+        watch.started(claim, ledger)
     try:
         yield
     finally:

@@ -51,7 +51,6 @@ import asyncio
 import contextvars
 import functools
 import inspect
-import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -73,12 +72,12 @@ from onceonly.ledger import (
     EffectInDoubt,
     EffectInFlight,
     KeyReuseError,
-    LeaseLost,
     Ledger,
     PayloadErased,
     ResultUnknown,
 )
 
+from . import _leases
 from .context import StepDiverged, _watching, step
 
 __all__ = ["activity_position", "guarded_activity", "temporal_error"]
@@ -86,7 +85,6 @@ __all__ = ["activity_position", "guarded_activity", "temporal_error"]
 P = ParamSpec("P")
 R = TypeVar("R")
 
-log = logging.getLogger("onceonly.adapters")
 
 _FINAL = (EffectInDoubt, ResultUnknown, EffectFailed, KeyReuseError, PayloadErased, StepDiverged)
 
@@ -158,14 +156,14 @@ class _Beats:
         self.ledger = ledger
         self.period_s = period_s
         self.is_async = is_async
-        self._live: dict[str, Claim] = {}
+        self._live: dict[str, tuple[Claim, Ledger]] = {}
         self._lock = threading.Lock()
         self._task: asyncio.Task[None] | None = None
         self._stop: threading.Event | None = None
 
-    def started(self, claim: Claim) -> None:
+    def started(self, claim: Claim, ledger: Ledger) -> None:
         with self._lock:
-            self._live[claim.key_id] = claim
+            self._live[claim.key_id] = (claim, ledger)
         activity.heartbeat(claim.key_id)  # the in-flight effect, in the details
         self._start()
 
@@ -199,19 +197,8 @@ class _Beats:
         """Renew every live claim's lease; the key id to report, if any."""
         with self._lock:
             claims = list(self._live.values())
-        for claim in claims:
-            try:
-                self.ledger.renew(claim)
-            except LeaseLost:
-                pass  # the entry moved on: the guard's outcome is refused and says so
-            except Exception:  # the heartbeat goes on; the guard decides the outcome
-                log.warning(
-                    "renewing the lease of effect %s… failed; its claim may lapse while the "
-                    "call is in flight",
-                    claim.key_id[:16],
-                    exc_info=True,
-                )
-        return claims[0].key_id if claims else None
+        _leases.renew(claims)
+        return claims[0][0].key_id if claims else None
 
     async def _abeat(self) -> None:
         loop = asyncio.get_running_loop()

@@ -26,10 +26,19 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from onceonly.adapters import guard, step
 from onceonly.adapters.celery import guarded_task, task_position
 from onceonly.checkpoint import Store
 from onceonly.checkpoint.errors import ConfigurationError
-from onceonly.ledger import Keyring, Ledger, Secret
+from onceonly.ledger import (
+    EffectIdentity,
+    InFlightPolicy,
+    Keyring,
+    LeaseLost,
+    Ledger,
+    LedgerError,
+    Secret,
+)
 
 from . import engine_servers
 from .celery_app import make_app
@@ -311,3 +320,47 @@ def test_a_guarded_task_called_directly_says_how_to_call_it() -> None:
 
     with pytest.raises(ConfigurationError, match="outside a Celery task"):
         plain()
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "control-not-kept"])
+def test_a_long_call_keeps_its_claim_alive(store: Store, kept: bool) -> None:
+    """While a guarded call in a task is in flight, its claim's lease is renewed: another
+    worker sees it live past its first lease. The control (the same call keyed by hand,
+    without the task guard) shows that worker taking the claim for abandoned."""
+    keyring = Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))])
+    ledger = Ledger(store, keyring, witness="", lease_s=0.6)
+    other = Ledger(
+        store, keyring, witness="", owner="another-worker", in_flight=InFlightPolicy(wait_s=0)
+    )
+    ident = EffectIdentity("", "celery:long/t-1", "task", 0, "long_call@1", 0)
+    seen: list[str] = []
+
+    def long_call(order: str) -> str:
+        time.sleep(1.0)  # past the first lease: live only if it was renewed
+        try:
+            other.claim(ident, {"order": order}, provider_class="C")
+        except LedgerError as exc:  # EffectInFlight: the claim is live, not expired
+            seen.append(type(exc).__name__)
+        return order
+
+    call = guard(ledger, effect="long_call@1", provider_class="C")(long_call)
+    local = Celery("long", broker="memory://", backend="cache+memory://")
+
+    @local.task(name="long", acks_late=True, reject_on_worker_lost=True)
+    @guarded_task()
+    def long(order: str) -> str:
+        return call(order)
+
+    try:
+        if kept:
+            assert long.apply(args=["o-1"], task_id="t-1").get() == "o-1"
+            assert seen == ["EffectInFlight"]
+            assert ledger.get(ledger.key_id(ident)).status == "committed"
+        else:
+            with step("celery:long/t-1", "task"), pytest.raises(LeaseLost):
+                call("o-1")  # the entry was moved on under it
+            assert seen == ["EffectInDoubt"]
+    finally:
+        local.close()
+        other.close()
+        ledger.close()
