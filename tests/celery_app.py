@@ -46,7 +46,14 @@ def make_app(redis_url: str) -> Celery:
     )
     visibility = os.environ.get("ONCEONLY_TEST_CELERY_VISIBILITY_S")
     if visibility:  # how long Redis keeps an unacked message from the other workers
-        celery.conf.broker_transport_options = {"visibility_timeout": float(visibility)}
+        celery.conf.broker_transport_options = {
+            "visibility_timeout": float(visibility),
+            # sweep for abandoned messages every second (default: about every 100 s), and
+            # let a sweep's lock held by a killed worker lapse soon (default: 300 s)
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+            "unacked_mutex_expire": 5,
+        }
     return celery
 
 
