@@ -364,3 +364,48 @@ def test_a_long_call_keeps_its_claim_alive(store: Store, kept: bool) -> None:
         local.close()
         other.close()
         ledger.close()
+
+
+def test_an_effect_in_doubt_fails_the_task_and_replays_once_resolved(store: Store) -> None:
+    """Class C, the answer lost: the task fails with EffectInDoubt naming the key and the
+    command, nothing is re-sent; resolved by a person, the task sent again under the same
+    task id replays the recorded result."""
+    ledger = Ledger(store, Keyring([Secret("k1", bytes.fromhex(SECRET_HEX))]), witness="")
+    charged: list[str] = []
+
+    def charge(order: str) -> str:
+        charged.append(order)
+        if len(charged) == 1:
+            raise TimeoutError("the provider did not answer")  # it did charge
+        return f"charge-{len(charged)}"
+
+    pay = guard(ledger, effect="charge@1", provider_class="C")(charge)
+    local = Celery("doubt", broker="memory://", backend="cache+memory://")
+
+    @local.task(name="charge", acks_late=True, reject_on_worker_lost=True)
+    @guarded_task()
+    def charge_task(order: str) -> str:
+        return pay(order)
+
+    try:
+        failed = charge_task.apply(args=["o-1"], task_id="t-9")
+        # Celery rebuilds the error from its message for the caller (EffectInDoubt's
+        # fields do not survive that): the message names the key and the command.
+        key_id = ledger.key_id(EffectIdentity("", "celery:charge/t-9", "task", 0, "charge@1", 0))
+        assert failed.failed()
+        assert "is in doubt" in str(failed.result)
+        assert f"onceonly effects resolve {key_id}" in str(failed.result)
+        assert charge_task.apply(args=["o-1"], task_id="t-9").failed()  # still in doubt
+        assert charged == ["o-1"]
+        ledger.resolve(
+            key_id,
+            happened=True,
+            evidence="the charge is on the statement",
+            actor="ops@example.com",
+            result="charge-1",
+        )
+        assert charge_task.apply(args=["o-1"], task_id="t-9").get() == "charge-1"
+        assert charged == ["o-1"]
+    finally:
+        local.close()
+        ledger.close()
