@@ -15,9 +15,10 @@ import contextvars
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
-from onceonly.ledger import Claim, EffectIdentity
+from onceonly.ledger import Claim, EffectIdentity, Ledger
 
 __all__ = ["StepDiverged", "current_claim", "identity_for", "step"]
 
@@ -128,6 +129,20 @@ _STEP: contextvars.ContextVar[_StepState | None] = contextvars.ContextVar(
 )
 _CLAIM: contextvars.ContextVar[Claim | None] = contextvars.ContextVar(
     "onceonly_claim", default=None
+)
+
+
+class _Watcher(Protocol):
+    """An engine adapter (Temporal's activity guard) watching the calls in flight below
+    it: it heartbeats the engine and renews the claim's lease meanwhile."""
+
+    def started(self, claim: Claim, ledger: Ledger) -> None: ...  # acting under ``claim``
+
+    def stopped(self, claim: Claim) -> None: ...  # ... and has ended
+
+
+_WATCH: contextvars.ContextVar[_Watcher | None] = contextvars.ContextVar(
+    "onceonly_watch", default=None
 )
 
 
@@ -247,9 +262,24 @@ def current_claim() -> Claim:
 
 
 @contextlib.contextmanager
-def _acting(claim: Claim) -> Iterator[None]:
+def _acting(claim: Claim, ledger: Ledger) -> Iterator[None]:
     token = _CLAIM.set(claim)
+    watch = _WATCH.get()
+    if watch is not None:
+        watch.started(claim, ledger)
     try:
         yield
     finally:
         _CLAIM.reset(token)
+        if watch is not None:
+            watch.stopped(claim)
+
+
+@contextlib.contextmanager
+def _watching(watch: _Watcher) -> Iterator[None]:
+    """Tell ``watch`` of every guarded call below that starts or stops acting."""
+    token = _WATCH.set(watch)
+    try:
+        yield
+    finally:
+        _WATCH.reset(token)

@@ -369,7 +369,7 @@ def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], A
                 case _core.Act(claim):
                     failpoint("adapters.act.before")
                     try:
-                        with _acting(claim):
+                        with _acting(claim, spec.ledger):
                             result = act()
                     except BaseException as exc:  # noqa: BLE001  (the core decides)
                         answer = _core.acting_failed(exc)
@@ -427,7 +427,7 @@ async def _run_async(
                 case _core.Act(claim):
                     failpoint("adapters.act.before")
                     try:
-                        with _acting(claim):
+                        with _acting(claim, spec.ledger):
                             result = await act()
                     except BaseException as exc:  # noqa: BLE001  (the core decides)
                         answer = _core.acting_failed(exc)

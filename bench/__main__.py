@@ -4,6 +4,10 @@ start-up cost of ``import onceonly`` and ``onceonly --help`` (bench/startup.py).
 
 import sys
 
+if sys.argv[1:2] == ["engines"]:
+    from .engines import main as engines
+
+    sys.exit(engines(sys.argv[2:]))
 if sys.argv[1:2] == ["startup"]:
     from .startup import main as startup
 

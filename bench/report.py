@@ -1139,6 +1139,11 @@ def render(results: dict[str, Any], docs: Path) -> Path:
     startup_json = Path(__file__).resolve().parent / "results" / "startup.json"
     if startup_json.exists():  # written by `python -m bench startup --json ...`
         lines += startup.section(json.loads(startup_json.read_text(encoding="utf-8")))
+    engines_json = Path(__file__).resolve().parent / "results" / "engines.json"
+    if engines_json.exists():  # written by `python -m bench engines --json ...`
+        from . import engines  # imports temporalio: only when there are figures
+
+        lines += engines.section(json.loads(engines_json.read_text(encoding="utf-8")))
     obs = _w1_observations(results, s1) + _observations(results, s2, s3)
     lines += [
         "## Method",

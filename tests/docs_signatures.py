@@ -40,6 +40,8 @@ _SECTION_MODULES: dict[str, tuple[str, ...]] = {
         "onceonly.adapters.asgi",
         "onceonly.adapters.pydantic_ai",
         "onceonly.adapters.openai_agents",
+        "onceonly.adapters.temporal",
+        "onceonly.adapters.celery",
     ),
     "Runtime": (
         "onceonly.flow",
