@@ -18,14 +18,15 @@ from onceonly.console import Accounts, ConsoleConfig, create_app, session_key
 from onceonly.ledger import Keyring, Ledger
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
+from tests.console_flows import FLOWS
 from tests.ledger_support import K1, Clock
-from tests.operator_flows import FLOWS, deliveries
+from tests.operator_flows import deliveries
 
 PASSWORD = "correct horse battery staple"  # noqa: S105 - the test users' password
 # name -> (role, grants)
 USERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vera": ("viewer", ()),
-    "abe": ("approver", ("publish",)),
+    "abe": ("approver", ("publish", "vendor:compliance")),
     "olga": ("approver", ("repair",)),  # another flow's approver
     "alice": ("approver", ("*",)),  # the requester of every publish run
     "otto": ("operator", ()),
@@ -72,6 +73,18 @@ class Console:
         rid = self.runtime.start(
             "publish",
             {"to": "ann@x", "outbox": str(self.outbox), **state},
+            run_id=run_id,
+            started_by="alice",
+        )
+        assert self.runtime.drive(rid).status is RunStatus.WAITING
+        return rid
+
+    def vendor(self, run_id: str, **vendor: Any) -> str:
+        """A vendor run, driven to its approval request ``compliance``."""
+        doc = {"name": "ACME", "iban": "DE02120300000000202051", **vendor}
+        rid = self.runtime.start(
+            "vendor",
+            {"vendor": doc, "outbox": str(self.outbox)},
             run_id=run_id,
             started_by="alice",
         )

@@ -86,6 +86,8 @@ def _routes(con: Console, rid: str, key: str) -> list[tuple[str, str, str, dict[
         ("POST", "/inbox/decide", "approver", {"run_id": rid, "name": "send"}),
         ("POST", "/inbox/batch", "approver", {}),
         ("POST", "/inbox/snooze", "approver", {"run_id": rid, "name": "send"}),
+        ("GET", "/inbox/edit", "approver", {}),
+        ("POST", "/inbox/edit", "approver", {"run_id": rid, "name": "send"}),
         ("POST", f"/runs/{rid}/cancel", "operator", {}),
         ("POST", f"/runs/{rid}/retry", "operator", {}),
         ("POST", f"/runs/{rid}/fork", "operator", {}),
@@ -103,6 +105,7 @@ def _api_routes(rid: str, key: str) -> list[tuple[str, str, str]]:
         ("GET", "/api/effects/in-doubt", "viewer"),
         ("POST", f"/api/approvals/{rid}/send/approve", "approver"),
         ("POST", f"/api/approvals/{rid}/send/reject", "approver"),
+        ("POST", f"/api/approvals/{rid}/send/edit", "approver"),
         ("POST", f"/api/runs/{rid}/cancel", "operator"),
         ("POST", f"/api/runs/{rid}/retry", "operator"),
         ("POST", f"/api/runs/{rid}/fork", "operator"),
@@ -131,7 +134,7 @@ def test_every_route_for_every_role(con: Console) -> None:
             assert (r.status_code == 403) is not allowed, (role, method, path, r.status_code)
             assert r.status_code < 500, (role, path, r.text[:500])
             checked += 1
-    assert checked == 4 * 24
+    assert checked == 4 * 27
     # nothing above decided or changed the run: every allowed POST lacked what it needs
     assert con.op.waits.get(rid, "send").status is WaitStatus.OPEN
     assert con.store.get_run(rid).status is RunStatus.WAITING
@@ -274,6 +277,46 @@ def test_batch_approve_binds_each_item_to_its_own_hash(con: Console) -> None:
     for x in (r1, r3):
         con.runtime.drive(x)
     assert sorted(d["to"] for d in con.sent()) == ["p1@x", "p3@x"]
+
+
+def test_edit_then_approve_binds_the_run_to_the_edited_subject(con: Console) -> None:
+    rid = con.vendor("v1")
+    requested = con.open_hash(rid, "compliance")
+    abe = con.client("abe")
+    page = html.unescape(abe.get(f"/inbox/edit?run_id={rid}&name=compliance").text)
+    assert "DE02120300000000202051" in page
+    assert requested in page
+    edited = {"name": "ACME GmbH", "iban": "DE02120300000000202051"}
+    form = {
+        "csrf": csrf_of(abe, "/inbox"),
+        "run_id": rid,
+        "name": "compliance",
+        "instance": "0",
+        "subject_hash": requested,
+        "subject": json.dumps(edited),
+        "reason": "legal name",
+    }
+    r = abe.post("/inbox/edit", data={**form, "subject": "{not json"})
+    assert r.status_code == 400
+    assert con.op.waits.get(rid, "compliance").status is WaitStatus.OPEN
+    r = abe.post("/inbox/edit", data={**form, "subject_hash": "0" * 64})
+    assert r.status_code == 409  # the edit of something not shown: refused, nothing recorded
+    r = abe.post("/inbox/edit", data=form)
+    assert r.status_code == 303
+    w = con.op.waits.get(rid, "compliance")
+    assert (w.status, w.decided_by, w.subject) == (WaitStatus.APPROVED, "abe", edited)
+    assert w.subject_hash != requested
+    assert w.reason is not None
+    assert requested[:16] in w.reason
+    assert "legal name" in w.reason
+    assert con.runtime.drive(rid).status is RunStatus.COMPLETED
+    assert [d["vendor"] for d in con.sent()] == [edited]  # exactly what was approved
+    # a second edit of the same request, from a page loaded before: decided elsewhere
+    otto = con.client("otto")
+    r = otto.post("/inbox/edit", data={**form, "csrf": csrf_of(otto, "/inbox")})
+    assert r.status_code == 200
+    assert "Decided elsewhere" in r.text
+    assert len(con.sent()) == 1
 
 
 def test_snooze_hides_an_approval_until_its_time_and_keeps_it_open(con: Console) -> None:

@@ -377,6 +377,7 @@ def build(
         decision: str,
         subject_hash: str,
         reason: str,
+        edited: Any = None,
     ) -> tuple[str, Wait]:
         """``(outcome, wait)``: ``approved``/``rejected``, or ``decided`` (someone
         decided first: the wait shows who and when)."""
@@ -394,6 +395,15 @@ def build(
             if decision == "approve":
                 w = op.approve(
                     run_id, name, actor=user.name, subject_hash=subject_hash, reason=reason
+                )
+            elif decision == "edit":
+                w = op.approve_edited(
+                    run_id,
+                    name,
+                    actor=user.name,
+                    subject_hash=subject_hash,
+                    subject=edited,
+                    reason=reason,
                 )
             elif decision == "reject":
                 w = op.reject(run_id, name, actor=user.name, reason=reason)
@@ -530,6 +540,61 @@ def build(
 
         await run_in_threadpool(snooze)
         return back("/inbox", msg=f"snoozed: {name} of run {run_id}")
+
+    def open_item(user: User, run_id: str, name: str) -> Item:
+        run = op.store.get_run(run_id)
+        if not user.may_decide(run.flow, name):
+            raise NotAllowed(user.name, f"decide {name!r}", f"no grant for flow {run.flow!r}")
+        w = op.waits.get(run_id, name)
+        if w.kind is not WaitKind.APPROVAL or w.status is not WaitStatus.OPEN:
+            raise _Denied(409, f"{name!r} of run {run_id!r} is not an open approval")
+        return Item(
+            run_id,
+            run.flow,
+            name,
+            w.instance,
+            readable(codec, w.subject),
+            w.subject_hash or "",
+            w.requested_by,
+            w.created_at,
+            w.due_at,
+            w.allow_self,
+            may_decide=True,
+            snoozed_until=None,
+        )
+
+    @page(Role.APPROVER)
+    async def edit_page(request: Request, user: User) -> Response:
+        qp = request.query_params
+        try:
+            item = await run_in_threadpool(
+                open_item, user, qp.get("run_id", ""), qp.get("name", "")
+            )
+        except NotAllowed as exc:
+            raise _Denied(403, str(exc)) from None
+        return render(request, "edit.html", user, item=item)
+
+    @action(Role.APPROVER)
+    async def edit_approve(request: Request, user: User, form: dict[str, Any]) -> Response:
+        run_id, name = str(form.get("run_id", "")), str(form.get("name", ""))
+        subject = _json_value(str(form.get("subject", "")))
+        reason = str(form.get("reason", "")).strip()
+        if not reason:
+            raise _Denied(400, "say why you changed it (recorded with your approval)")
+        outcome, w = await run_in_threadpool(
+            decide,
+            user,
+            run_id,
+            name,
+            _int(form.get("instance")),
+            "edit",
+            str(form.get("subject_hash", "")),
+            reason,
+            subject,
+        )
+        if outcome in ("decided", "replaced"):
+            return render(request, "decided.html", user, wait=w, outcome=outcome)
+        return back("/inbox", msg=f"edited and approved: {name} of run {run_id}")
 
     @page(Role.VIEWER)
     async def runs_page(request: Request, user: User) -> Response:
@@ -706,8 +771,10 @@ def build(
         name = request.path_params["name"]
         decision = request.path_params["decision"]
         reason = str(body.get("reason") or "")
-        if decision == "reject" and not reason.strip():
-            raise _Denied(400, "a rejection needs a reason")
+        if decision in ("reject", "edit") and not reason.strip():
+            raise _Denied(400, f"{decision}: give a reason")
+        if decision == "edit" and "subject" not in body:
+            raise _Denied(400, "edit: give the new subject")
         outcome, w = await run_in_threadpool(
             decide,
             user,
@@ -717,6 +784,7 @@ def build(
             decision,
             str(body.get("subject_hash") or ""),
             reason,
+            body.get("subject"),
         )
         doc = wait_doc(w)
         doc["outcome"] = outcome
@@ -808,6 +876,8 @@ def build(
         Route("/inbox/decide", inbox_decide, methods=["POST"]),
         Route("/inbox/batch", inbox_batch, methods=["POST"]),
         Route("/inbox/snooze", inbox_snooze, methods=["POST"]),
+        Route("/inbox/edit", edit_page, methods=["GET"]),
+        Route("/inbox/edit", edit_approve, methods=["POST"]),
         Route("/runs", runs_page, methods=["GET"]),
         Route("/runs/{run_id}", run_page, methods=["GET"]),
         Route("/runs/{run_id}/{what}", run_action, methods=["POST"]),
