@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,24 +108,26 @@ def csrf_of(client: TestClient, path: str = "/login") -> str:
     return m.group(1)
 
 
-def make_console(url: str, tmp: Path, **config: Any) -> Console:
+def make_console(url: str, tmp: Path, *, real_time: bool = False, **config: Any) -> Console:
     """Users of every role (and their API tokens), a runtime and the console app on the
-    database at ``url`` (the console on its own store, as `onceonly console` opens it)."""
+    database at ``url`` (the console on its own store, as `onceonly console` opens it).
+    The console's clock is settable, or (``real_time``) follows the real time."""
     clock = Clock(time.time())
+    now: Callable[[], float] = time.time if real_time else clock
     worker_store = Store.open(url)
     ledger = Ledger(worker_store, Keyring([K1]), lease_s=30.0)
     runtime = Runtime(worker_store, ledger, FLOWS, owner="w1")
     store = Store.open(url, codec=Codec(strict=False))
     op = Operator(store, Ledger(store, Keyring([K1])))
     # a cheap argon2id: the tests sign in often (the default costs ~50 ms a hash)
-    accounts = Accounts(store, clock=clock, hasher=PasswordHasher(time_cost=1, memory_cost=64))
+    accounts = Accounts(store, clock=now, hasher=PasswordHasher(time_cost=1, memory_cost=64))
     for name, (role, grants) in USERS.items():
         accounts.add(name, role, PASSWORD, grants=grants)
     app = create_app(
         op,
         ConsoleConfig(session_key=session_key(Keyring([K1])), **config),
         accounts=accounts,
-        clock=clock,
+        clock=now,
     )
     con = Console(url, store, runtime, op, accounts, clock, tmp / "outbox", app)
     con.tokens = {name: accounts.add_token(name, "test") for name in USERS}

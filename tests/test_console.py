@@ -322,17 +322,17 @@ def test_edit_then_approve_binds_the_run_to_the_edited_subject(con: Console) -> 
 def test_snooze_hides_an_approval_until_its_time_and_keeps_it_open(con: Console) -> None:
     rid = con.publish("r1")
     abe = con.client("abe")
-    r = abe.post(
-        "/inbox/snooze",
-        data={"csrf": csrf_of(abe, "/inbox"), "run_id": rid, "name": "send", "hours": "2"},
-    )
+    form = {"csrf": csrf_of(abe, "/inbox"), "run_id": rid, "name": "send"}
+    for bad in ("0", "-1", "nan", "9000", "x"):
+        assert abe.post("/inbox/snooze", data={**form, "hours": bad}).status_code == 400, bad
+    r = abe.post("/inbox/snooze", data={**form, "hours": "72"})
     assert r.status_code == 303
     assert rid not in abe.get("/inbox").text
     assert rid in abe.get("/inbox?snoozed=1").text
     (snooze,) = con.accounts.snoozes().values()
     assert (snooze.by, snooze.reason) == ("abe", "not now")
-    con.clock.advance(2 * 3600 + 1)
-    assert rid in abe.get("/inbox").text
+    con.clock.advance(72 * 3600 + 1)
+    assert rid in con.client("abe").get("/inbox").text  # (signed in again: 8 h sessions)
     assert con.op.waits.get(rid, "send").status is WaitStatus.OPEN
 
 
@@ -405,6 +405,7 @@ def test_run_page_shows_the_run_and_actions_need_confirmation(con: Console) -> N
     )
     assert r.status_code == 303
     assert con.store.get_run(rid).status is RunStatus.CANCELLED
+    assert "wrong customer" in otto.get(f"/runs/{rid}").text  # the operator log shown
     log = con.op.show(rid).meta["operator_log"]
     assert [(e["by"], e["action"]) for e in log] == [
         ("otto", "operator:edit"),

@@ -522,8 +522,8 @@ def build(
     @action(Role.APPROVER)
     async def inbox_snooze(request: Request, user: User, form: dict[str, Any]) -> Response:
         run_id, name = str(form.get("run_id", "")), str(form.get("name", ""))
-        hours = _hours(form.get("hours"))
-        if hours is None or hours <= 0 or hours > 24 * 365:
+        seconds = _hours(form.get("hours"))
+        if seconds is None or seconds <= 0 or seconds > 365 * 86400:
             raise _Denied(400, "snooze for a number of hours between 0 and 8760")
         reason = str(form.get("reason", "")).strip() or "not now"
 
@@ -535,7 +535,7 @@ def build(
             if w.status is not WaitStatus.OPEN:
                 raise _Denied(409, f"{name!r} of run {run_id!r} is {w.status.value} already")
             accounts.snooze(
-                run_id, name, w.instance, until=clock() + hours, by=user.name, reason=reason
+                run_id, name, w.instance, until=clock() + seconds, by=user.name, reason=reason
             )
 
         await run_in_threadpool(snooze)
@@ -915,6 +915,7 @@ def _int(value: Any) -> int | None:
 
 
 def _hours(value: Any) -> float | None:
+    """Hours given in a form, in seconds (None: not a finite number)."""
     try:
         h = float(value)
     except (TypeError, ValueError):
