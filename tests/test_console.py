@@ -553,3 +553,20 @@ def test_user_add_reads_the_password_from_stdin_never_an_argument(
         assert (user.role, user.grants) == (Role.APPROVER, ("publish",))
         assert acc.authenticate("carol", "a long enough passworD") is None
     assert set(USERS) >= {"abe"}
+
+
+def test_the_console_package_imports_without_its_extra_and_says_what_to_install() -> None:
+    from tests.test_extras import _without_extras
+
+    proc = _without_extras(
+        "sys.modules['jinja2'] = None\n"
+        "import onceonly.console as c\n"
+        "from onceonly.cli import cli\n"  # the command line loads without it too
+        "try:\n"
+        "    c.create_app(None, c.ConsoleConfig(session_key=b'k'), accounts=object())\n"
+        "except c.ConsoleError as exc:\n"
+        "    print(exc)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stdout.splitlines()
+    assert "pip install 'onceonly[console]'" in line
