@@ -347,6 +347,34 @@ def test_inbox_filters(con: Console) -> None:
     assert [i["run_id"] for i in con.api("vera").get("/api/approvals?flow=publish").json()] == [rid]
 
 
+def test_the_inbox_and_the_run_list_are_paged_in_the_database(db_url: str, tmp_path: Path) -> None:
+    con = make_console(db_url, tmp_path, page_size=2)
+    try:
+        rids = [con.publish(f"r{i}") for i in range(5)]
+        v = con.vendor("v-1")  # abe may decide it (vendor:compliance)
+        otto = con.client("otto")
+        seen = []
+        for page in (1, 2, 3, 4):
+            text = otto.get(f"/inbox?page={page}").text
+            assert "6 open" in text
+            seen += [r for r in [*rids, v] if f'data-run="{r}"' in text]
+        assert seen == [*rids, v, rids[4], v]  # oldest first; past the end: the last page
+        repair = con.client("olga")  # approver of flow "repair": nothing of these
+        assert "0 open" in repair.get("/inbox").text
+        assert "6 open" in con.client("abe").get("/inbox").text
+        assert [i["run_id"] for i in con.api("abe").get("/api/approvals?page=3").json()] == [
+            rids[4],
+            v,
+        ]
+        listed = otto.get("/runs?page=1").text
+        assert "<small>6</small>" in listed
+        assert sum(f">{r}</a>" in listed for r in [*rids, v]) == 2
+        assert "<small>1</small>" in otto.get("/runs?q=v-").text
+        assert "<small>0</small>" in otto.get("/runs?q=%25").text  # LIKE's % is literal
+    finally:
+        close(con)
+
+
 # -- hostile values ------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@ when the console is built (:func:`onceonly.console.create_app`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import urllib.parse
@@ -33,7 +34,7 @@ from onceonly.checkpoint import (
 from onceonly.errors import RunError
 from onceonly.operator import Operator
 
-from . import _session
+from . import _queries, _session
 from ._view import cut, readable, state_diff, when
 from .accounts import Accounts, Role, User
 from .app import ConsoleConfig
@@ -289,54 +290,59 @@ def build(
         return wrap
 
     # -- the data ----------------------------------------------------------------------
-    def inbox_items(user: User, filters: Mapping[str, str], show_snoozed: bool) -> list[Item]:
+    def inbox_items(
+        user: User, filters: Mapping[str, str], show_snoozed: bool, page: int | None
+    ) -> tuple[list[Item], int, int, int]:
+        """One page of the inbox: its items, the page, the pages, the total."""
         now = clock()
-        snoozed = accounts.snoozes()
-        flows: dict[str, str] = {}
+        total_rows = _queries.open_approvals(
+            op.store,
+            user,
+            filters,
+            now=now,
+            min_age_s=_hours(filters.get("min_age_h")) or 0.0,
+            snoozed=show_snoozed,
+            offset=0,
+            limit=0,
+        )[1]
+        pg, count, offset = _queries.pages(total_rows, config.page_size, page)
+        rows, total = _queries.open_approvals(
+            op.store,
+            user,
+            filters,
+            now=now,
+            min_age_s=_hours(filters.get("min_age_h")) or 0.0,
+            snoozed=show_snoozed,
+            offset=offset,
+            limit=config.page_size,
+        )
+        snoozes = accounts.snoozes() if show_snoozed else {}
         out: list[Item] = []
-        min_age_s = _hours(filters.get("min_age_h")) or 0.0
-        for w in op.waits.find(status=WaitStatus.OPEN):
-            if w.kind is not WaitKind.APPROVAL:
+        for run_id, name, instance, flow in rows:
+            try:
+                w = op.waits.get(run_id, name, instance)  # its seal checked
+            except NotFound:
+                continue  # gone since the page's query
+            if w.status is not WaitStatus.OPEN:
                 continue
-            if w.due_at is not None and w.due_at <= now:
-                continue  # expired: the run takes its expiry path
-            if w.run_id not in flows:
-                try:
-                    flows[w.run_id] = op.store.get_run(w.run_id).flow
-                except NotFound:
-                    continue
-            flow = flows[w.run_id]
-            may = user.may_decide(flow, w.name)
-            if user.role is Role.APPROVER and not may:
-                continue  # an approver sees the items they may decide
-            if filters.get("flow") and filters["flow"] != flow:
-                continue
-            if filters.get("name") and filters["name"] != w.name:
-                continue
-            if filters.get("requester") and filters["requester"] != (w.requested_by or ""):
-                continue
-            if min_age_s > 0 and now - w.created_at < min_age_s:
-                continue
-            sz = snoozed.get((w.run_id, w.name, w.instance))
-            if sz is not None and not show_snoozed:
-                continue
+            sz = snoozes.get((run_id, name, instance))
             out.append(
                 Item(
-                    w.run_id,
+                    run_id,
                     flow,
-                    w.name,
-                    w.instance,
+                    name,
+                    instance,
                     readable(codec, w.subject),
                     w.subject_hash or "",
                     w.requested_by,
                     w.created_at,
                     w.due_at,
                     w.allow_self,
-                    may,
-                    None if sz is None else sz.until,
+                    may_decide=user.may_decide(flow, name),
+                    snoozed_until=None if sz is None else sz.until,
                 )
             )
-        return out
+        return out, pg, count, total
 
     def wait_doc(w: Wait) -> dict[str, Any]:
         return {
@@ -456,14 +462,15 @@ def build(
         filters = {k: request.query_params.get(k, "") for k in ("flow", "name", "requester")}
         filters["min_age_h"] = request.query_params.get("min_age_h", "")
         show_snoozed = request.query_params.get("snoozed") == "1"
-        items = await run_in_threadpool(inbox_items, user, filters, show_snoozed)
-        pg, pages, shown = _paged(request, items, config.page_size)
+        items, pg, pages, total = await run_in_threadpool(
+            inbox_items, user, filters, show_snoozed, _int(request.query_params.get("page"))
+        )
         return render(
             request,
             "inbox.html",
             user,
-            items=shown,
-            total=len(items),
+            items=items,
+            total=total,
             page=pg,
             pages=pages,
             filters=filters,
@@ -606,30 +613,55 @@ def build(
         if status is not None and status not in {s.value for s in RunStatus}:
             raise _Denied(400, f"unknown status {status!r}")
 
-        def read() -> tuple[list[Any], set[str]]:
+        asked = _int(qp.get("page"))
+
+        def read() -> tuple[list[Any], set[str], int, int, int]:
             from onceonly.registry import WorkerRegistry, unserved  # noqa: PLC0415
 
-            lost = {r.run_id for r in unserved(op.store, WorkerRegistry(op.store, create=False))}
-            if unserved_only:
+            registry = WorkerRegistry(op.store, create=False)
+            if unserved_only:  # every running or waiting run is looked at: on request
                 rows = [
                     r
-                    for r in unserved(op.store, WorkerRegistry(op.store, create=False))
-                    if (status is None or r.status.value == status) and flow in (None, r.flow)
+                    for r in unserved(op.store, registry)
+                    if (status is None or r.status.value == status)
+                    and flow in (None, r.flow)
+                    and (not needle or needle in r.run_id or needle in r.flow)
                 ]
-            else:
-                rows = op.store.list_runs(status=status, flow=flow)
-            if needle:
-                rows = [r for r in rows if needle in r.run_id or needle in r.flow]
-            return rows, lost
+                pg, count, offset = _queries.pages(len(rows), config.page_size, asked)
+                shown = rows[offset : offset + config.page_size]
+                return shown, {r.run_id for r in shown}, pg, count, len(rows)
+            ids, total = _queries.run_ids(
+                op.store, status=status, flow=flow, search=needle, offset=0, limit=0
+            )
+            pg, count, offset = _queries.pages(total, config.page_size, asked)
+            ids, total = _queries.run_ids(
+                op.store,
+                status=status,
+                flow=flow,
+                search=needle,
+                offset=offset,
+                limit=config.page_size,
+            )
+            shown = []
+            for rid in ids:
+                with contextlib.suppress(NotFound):  # removed since the query
+                    shown.append(op.store.get_run(rid))
+            live = registry.live()
+            lost = {
+                r.run_id
+                for r in shown
+                if r.status in (RunStatus.RUNNING, RunStatus.WAITING)
+                and not any(w.serves(r.flow, r.code_version) for w in live)
+            }
+            return shown, lost, pg, count, total
 
-        rows, lost = await run_in_threadpool(read)
-        pg, pages, shown = _paged(request, rows, config.page_size)
+        shown, lost, pg, pages, total = await run_in_threadpool(read)
         return render(
             request,
             "runs.html",
             user,
             runs=shown,
-            total=len(rows),
+            total=total,
             page=pg,
             pages=pages,
             unserved=lost,
@@ -659,10 +691,11 @@ def build(
             report = op.ledger.verify()
             problems = [p for p in report.problems if run_id in p]
         audit = op.ledger.audit_events(str(view.meta.get("key_run") or run_id))
-        from onceonly.registry import WorkerRegistry, unserved  # noqa: PLC0415
+        from onceonly.registry import WorkerRegistry  # noqa: PLC0415
 
-        lost = view.run.status in (RunStatus.RUNNING, RunStatus.WAITING) and any(
-            r.run_id == run_id for r in unserved(op.store, WorkerRegistry(op.store, create=False))
+        live = WorkerRegistry(op.store, create=False).live()
+        lost = view.run.status in (RunStatus.RUNNING, RunStatus.WAITING) and not any(
+            w.serves(view.run.flow, view.run.code_version) for w in live
         )
         return {
             "view": view,
@@ -762,7 +795,9 @@ def build(
     async def api_approvals(request: Request, user: User, body: dict[str, Any]) -> Any:
         qp = request.query_params
         filters = {k: qp.get(k, "") for k in ("flow", "name", "requester", "min_age_h")}
-        items = await run_in_threadpool(inbox_items, user, filters, qp.get("snoozed") == "1")
+        items, _pg, _pages, _total = await run_in_threadpool(
+            inbox_items, user, filters, qp.get("snoozed") == "1", _int(qp.get("page"))
+        )
         return [item_doc(i) for i in items]
 
     @api(Role.APPROVER, post=True)
