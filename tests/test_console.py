@@ -92,6 +92,7 @@ def _routes(con: Console, rid: str, key: str) -> list[tuple[str, str, str, dict[
         ("POST", f"/runs/{rid}/retry", "operator", {}),
         ("POST", f"/runs/{rid}/fork", "operator", {}),
         ("POST", f"/runs/{rid}/edit", "operator", {}),
+        ("POST", f"/runs/{rid}/restart", "operator", {}),
         ("POST", f"/effects/{key}/resolve", "operator", {}),
     ]
 
@@ -110,6 +111,7 @@ def _api_routes(rid: str, key: str) -> list[tuple[str, str, str]]:
         ("POST", f"/api/runs/{rid}/retry", "operator"),
         ("POST", f"/api/runs/{rid}/fork", "operator"),
         ("POST", f"/api/runs/{rid}/edit", "operator"),
+        ("POST", f"/api/runs/{rid}/restart", "operator"),
         ("POST", f"/api/effects/{key}/resolve", "operator"),
     ]
 
@@ -134,7 +136,7 @@ def test_every_route_for_every_role(con: Console) -> None:
             assert (r.status_code == 403) is not allowed, (role, method, path, r.status_code)
             assert r.status_code < 500, (role, path, r.text[:500])
             checked += 1
-    assert checked == 4 * 27
+    assert checked == 4 * 29
     # nothing above decided or changed the run: every allowed POST lacked what it needs
     assert con.op.waits.get(rid, "send").status is WaitStatus.OPEN
     assert con.store.get_run(rid).status is RunStatus.WAITING
@@ -441,6 +443,13 @@ def test_run_page_shows_the_run_and_actions_need_confirmation(con: Console) -> N
     ]
     r = otto.post(f"/runs/{rid}/retry", data={"csrf": token, "reason": "r", "confirm": "yes"})
     assert r.status_code == 409  # a cancelled run is not retried; the page says why
+    r = otto.post(
+        f"/runs/{rid}/restart", data={"csrf": token, "reason": "wrong plan", "confirm": "yes"}
+    )
+    assert r.status_code == 303
+    restarted = r.headers["location"].split("/runs/")[1].split("?")[0]
+    assert restarted not in (rid, forked)
+    assert con.store.get_run(restarted).flow == "publish"
     listed = otto.get("/runs?status=cancelled").text
     assert rid in listed
     assert forked not in listed

@@ -741,6 +741,10 @@ def build(
             target = await run_in_threadpool(
                 lambda: op.fork(run_id, seq, actor=user.name, reason=reason)
             )
+        elif what == "restart":
+            target = await run_in_threadpool(
+                lambda: op.restart(run_id, actor=user.name, reason=reason)
+            )
         elif what == "edit":
             channel = str(form.get("channel", "")).strip()
             value = _json_value(str(form.get("value", "")))
@@ -869,6 +873,11 @@ def build(
                 raise _Denied(400, "say which checkpoint to fork from (seq)")
             new = await run_in_threadpool(
                 lambda: op.fork(run_id, seq, actor=user.name, reason=reason)
+            )
+            return {"run_id": new}
+        if what == "restart":
+            new = await run_in_threadpool(
+                lambda: op.restart(run_id, actor=user.name, reason=reason)
             )
             return {"run_id": new}
         if what == "edit":
