@@ -9,14 +9,18 @@ by the state channel ``outbox`` (the oracle, read directly, never through the le
 from __future__ import annotations
 
 import json
+from email.message import EmailMessage
 from typing import Any
 
 from onceonly.adapters import current_claim, guard
+from onceonly.adapters.email import GuardedSMTP, IMAPMailbox, SMTPServer
+from onceonly.checkpoint import subject_hash
+from onceonly.console import approval_link, link_key
 from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
 from tests.operator_flows import FLOWS as OPERATOR_FLOWS
 
-__all__ = ["FLOWS", "VENDOR"]
+__all__ = ["FLOWS", "LINKED", "VENDOR"]
 
 VENDOR = Flow("vendor")
 """propose → (approval ``compliance`` of the vendor record) → create (a guarded record
@@ -52,4 +56,41 @@ def declined(ctx: StepContext) -> Transition:
     return ctx.end("declined")
 
 
-FLOWS = [*OPERATOR_FLOWS, VENDOR]
+LINKED = Flow("linked")
+"""vendor onboarding whose approval request goes to one approver by e-mail, with a
+signed link (sent through GuardedSMTP: once), then as VENDOR."""
+
+
+@LINKED.step(start=True)
+def ask(ctx: StepContext) -> Transition:
+    vendor = ctx.state["vendor"]
+    mail = ctx.state["mail"]  # where the test's mail server listens
+    link = approval_link(
+        link_key(ctx.ledger.keyring),
+        str(ctx.state["console_url"]),
+        run_id=ctx.run_id,
+        name="compliance",
+        subject_hash=subject_hash(ctx.store, vendor),
+        approver=str(ctx.state["approver"]),
+        expires_at=float(ctx.state["link_expires_at"]),  # kept in the run: a re-run
+    )  # builds the same message, which the ledger replays
+    msg = EmailMessage()
+    msg["From"] = "onceonly@example.org"
+    msg["To"] = str(ctx.state["approver_email"])
+    msg["Subject"] = f"Please approve vendor {vendor['name']}"
+    msg.set_content(f"Review and approve (or reject) here:\n{link}\n")
+    GuardedSMTP(
+        ctx.ledger,
+        smtp=SMTPServer("127.0.0.1", int(mail["smtp_port"])),
+        probe_mailbox=IMAPMailbox(
+            "127.0.0.1", str(mail["user"]), str(mail["password"]), port=int(mail["imap_port"])
+        ),
+        domain="mail.example.org",
+    ).send(msg)
+    return ctx.wait_for_approval("compliance", vendor, then="create", on_reject="declined")
+
+
+LINKED.step(name="create")(create)
+LINKED.step(name="declined")(declined)
+
+FLOWS = [*OPERATOR_FLOWS, VENDOR, LINKED]

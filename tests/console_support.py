@@ -15,7 +15,7 @@ from argon2 import PasswordHasher
 from starlette.testclient import TestClient
 
 from onceonly.checkpoint import Codec, RunStatus, Store
-from onceonly.console import Accounts, ConsoleConfig, create_app, session_key
+from onceonly.console import Accounts, ConsoleConfig, create_app, link_key, session_key
 from onceonly.ledger import Keyring, Ledger
 from onceonly.operator import Operator
 from onceonly.runtime import Runtime
@@ -27,7 +27,7 @@ PASSWORD = "correct horse battery staple"  # noqa: S105 - the test users' passwo
 # name -> (role, grants)
 USERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vera": ("viewer", ()),
-    "abe": ("approver", ("publish", "vendor:compliance")),
+    "abe": ("approver", ("linked", "publish", "vendor:compliance")),
     "olga": ("approver", ("repair",)),  # another flow's approver
     "alice": ("approver", ("*",)),  # the requester of every publish run
     "otto": ("operator", ()),
@@ -125,7 +125,9 @@ def make_console(url: str, tmp: Path, *, real_time: bool = False, **config: Any)
         accounts.add(name, role, PASSWORD, grants=grants)
     app = create_app(
         op,
-        ConsoleConfig(session_key=session_key(Keyring([K1])), **config),
+        ConsoleConfig(
+            session_key=session_key(Keyring([K1])), link_key=link_key(Keyring([K1])), **config
+        ),
         accounts=accounts,
         clock=now,
     )

@@ -9,8 +9,13 @@ Runs are driven in-process as a worker would (``Runtime.drive``); the oracle for
 
 from __future__ import annotations
 
+import email
+import email.policy
 import html
+import imaplib
 import json
+import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +24,18 @@ from starlette.testclient import TestClient
 
 from onceonly.checkpoint import RunStatus, WaitStatus
 from onceonly.cli.console import is_loopback
-from onceonly.console import ConsoleConfig, RemoteBindRefused, create_app, session_key
+from onceonly.console import (
+    ConsoleConfig,
+    RemoteBindRefused,
+    approval_link,
+    create_app,
+    link_key,
+    session_key,
+)
 from onceonly.ledger import Keyring
 from tests.console_support import USERS, Console, close, csrf_of, make_console
 from tests.ledger_support import K1
+from tests.mail_fakes import MailDevel
 
 ROLES = ("viewer", "approver", "operator", "admin")
 RANK = {r: i for i, r in enumerate(ROLES)}
@@ -375,6 +388,136 @@ def test_the_inbox_and_the_run_list_are_paged_in_the_database(db_url: str, tmp_p
         assert "<small>0</small>" in otto.get("/runs?q=%25").text  # LIKE's % is literal
     finally:
         close(con)
+
+
+# -- signed approval links ------------------------------------------------------------------
+
+
+def _link(con: Console, rid: str, *, approver: str = "abe", expires_in: float = 3600.0) -> str:
+    url = approval_link(
+        link_key(Keyring([K1])),
+        "http://127.0.0.1",
+        run_id=rid,
+        name="compliance",
+        subject_hash=con.open_hash(rid, "compliance"),
+        approver=approver,
+        expires_at=con.clock() + expires_in,
+    )
+    return url.removeprefix("http://127.0.0.1")
+
+
+def test_a_signed_link_shows_the_subject_and_decides_only_on_confirmation_once(
+    con: Console,
+) -> None:
+    rid = con.vendor("v1")
+    path = _link(con, rid)
+    browser = con.client()  # the link is the credential: no sign-in
+    page = html.unescape(browser.get(path).text)
+    assert "DE02120300000000202051" in page
+    assert con.open_hash(rid, "compliance") in page
+    assert "For <strong>abe</strong>" in page
+    assert con.op.waits.get(rid, "compliance").status is WaitStatus.OPEN  # GET decided nothing
+    assert browser.post(path, data={"decision": "approve"}).status_code == 403  # no CSRF
+    r = browser.post(path, data={"csrf": csrf_of(browser, path), "decision": "approve"})
+    assert r.status_code == 200
+    assert "approved" in r.text
+    w = con.op.waits.get(rid, "compliance")
+    assert (w.status, w.decided_by) == (WaitStatus.APPROVED, "abe")
+    again = browser.post(path, data={"csrf": csrf_of(browser), "decision": "reject", "reason": "x"})
+    assert again.status_code == 410
+    assert "used already" in again.text
+    assert con.runtime.drive(rid).status is RunStatus.COMPLETED
+    assert len(con.sent()) == 1
+
+
+def test_a_signed_link_is_refused_altered_expired_for_another_subject_or_approver(
+    con: Console,
+) -> None:
+    rid = con.vendor("v1")
+    anon = con.client()
+    path = _link(con, rid)
+    body, mac = path.removeprefix("/approve/").split(".")
+    forged = "/approve/" + body[:-2] + ("AA" if body[-2:] != "AA" else "BB") + "." + mac
+    assert anon.get(forged).status_code == 410
+    assert anon.get("/approve/nonsense").status_code == 410
+    assert anon.get(_link(con, rid, expires_in=-1)).status_code == 410  # expired
+    assert anon.get(_link(con, rid, approver="olga")).status_code == 403  # no grant
+    assert anon.get(_link(con, rid, approver="nobody")).status_code == 403
+    stale = _link(con, rid)
+    con.op.approve_edited(
+        rid,
+        "compliance",
+        actor="otto",
+        subject_hash=con.open_hash(rid, "compliance"),
+        subject={"name": "ACME", "iban": "X"},
+        reason="fixed",
+    )
+    r = anon.get(stale)  # decided elsewhere meanwhile: who and when, not an error
+    assert r.status_code == 200
+    assert "Decided elsewhere" in r.text
+    assert "otto" in r.text
+
+
+@pytest.fixture(scope="module")
+def mail() -> Iterator[MailDevel]:
+    with MailDevel() as server:
+        yield server
+
+
+def test_a_flow_emails_a_signed_link_once_and_the_approver_decides_through_it(
+    con: Console, mail: MailDevel
+) -> None:
+    rid = "linked-" + uuid.uuid4().hex[:8]  # one mailbox for the module: ids apart
+    con.runtime.start(
+        "linked",
+        {
+            "vendor": {"name": "ACME", "iban": "DE02120300000000202051"},
+            "outbox": str(con.outbox),
+            "mail": {
+                "smtp_port": mail.smtp_port,
+                "imap_port": mail.imap_port,
+                "user": mail.user,
+                "password": mail.password,
+            },
+            "console_url": "http://console.example",
+            "approver": "abe",
+            "approver_email": "abe@example.org",
+            "link_expires_at": con.clock() + 86400,
+        },
+        run_id=rid,
+        started_by="alice",
+    )
+    assert con.runtime.drive(rid).status is RunStatus.WAITING
+    (effect,) = con.op.show(rid).effects
+    message_id = f"<{effect.provider_key}@mail.example.org>"
+    assert mail.count(message_id) == 1  # the provider's own count: sent once
+    body = _fetch(mail, message_id)
+    (url,) = re.findall(r"http://console\.example(/approve/\S+)", body)
+    browser = con.client()
+    assert "ACME" in browser.get(url).text
+    r = browser.post(url, data={"csrf": csrf_of(browser, url), "decision": "approve"})
+    assert r.status_code == 200
+    assert con.op.waits.get(rid, "compliance").decided_by == "abe"
+    assert con.runtime.drive(rid).status is RunStatus.COMPLETED
+    assert [d["vendor"]["name"] for d in con.sent()] == ["ACME"]
+    assert mail.count(message_id) == 1
+
+
+def _fetch(mail: MailDevel, message_id: str) -> str:
+    conn = imaplib.IMAP4("127.0.0.1", mail.imap_port, timeout=5)
+    try:
+        conn.login(mail.user, mail.password)
+        conn.select("INBOX", readonly=True)
+        _, found = conn.search(None, "HEADER", "Message-ID", f'"{message_id}"')
+        (num,) = found[0].split()
+        _, data = conn.fetch(num, "(RFC822)")
+        raw = data[0][1] if isinstance(data[0], tuple) else b""
+    finally:
+        conn.logout()
+    msg = email.message_from_bytes(raw, policy=email.policy.default)
+    part = msg.get_body(preferencelist=("plain",))
+    assert part is not None
+    return str(part.get_content())
 
 
 # -- hostile values ------------------------------------------------------------------------------

@@ -96,14 +96,16 @@ def _serve(
 ) -> None:
     import socket  # noqa: PLC0415
 
-    from onceonly.console import ConsoleConfig, create_app, session_key  # noqa: PLC0415
+    from onceonly.console import ConsoleConfig, create_app, link_key, session_key  # noqa: PLC0415
     from onceonly.ledger import Keyring  # noqa: PLC0415
 
     with operator(url) as op:
+        ring = Keyring.from_env()
         app = create_app(
             op,
             ConsoleConfig(
-                session_key=session_key(Keyring.from_env()),
+                session_key=session_key(ring),
+                link_key=link_key(ring),
                 trusted_header=trusted_header,
                 trusted_proxies=frozenset(trusted_proxies),
                 secure_cookies=secure_cookies,

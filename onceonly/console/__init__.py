@@ -13,19 +13,25 @@ from __future__ import annotations
 
 from .accounts import Accounts, Role, Snooze, User, migrate
 from .app import ConsoleConfig, create_app, session_key
-from .errors import AccountError, ConsoleError, NotAllowed, RemoteBindRefused
+from .errors import AccountError, ConsoleError, LinkRefused, NotAllowed, RemoteBindRefused
+from .links import SignedLink, approval_link, link_key, read_link
 
 __all__ = [
     "AccountError",
     "Accounts",
     "ConsoleConfig",
     "ConsoleError",
+    "LinkRefused",
     "NotAllowed",
     "RemoteBindRefused",
     "Role",
+    "SignedLink",
     "Snooze",
     "User",
+    "approval_link",
     "create_app",
+    "link_key",
     "migrate",
+    "read_link",
     "session_key",
 ]

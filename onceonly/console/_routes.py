@@ -38,7 +38,8 @@ from . import _queries, _session
 from ._view import cut, readable, state_diff, when
 from .accounts import Accounts, Role, User
 from .app import ConsoleConfig
-from .errors import NotAllowed
+from .errors import LinkRefused, NotAllowed
+from .links import SignedLink, read_link
 
 _SECURITY_HEADERS = {
     # No script at all: every page works with forms alone.
@@ -790,6 +791,104 @@ def build(
         )
         return back("/effects", msg=f"resolved {key_id[:16]}")
 
+    # -- signed approval links ----------------------------------------------------------
+    def link_state(token: str) -> tuple[SignedLink, User, Item | None, Wait]:
+        """The link, its approver, the open item it asks about (None: decided) and the
+        wait; refused links raise ``LinkRefused`` or ``_Denied``."""
+        if config.link_key is None:
+            raise _Denied(404, "this console serves no approval links")
+        link = read_link(config.link_key, token, clock())
+        if accounts.link_used(link.digest):
+            w = op.waits.get(link.run_id, link.name)
+            raise _Denied(
+                410,
+                f"this link was used already: {link.name!r} of run {link.run_id!r} is "
+                f"{w.status.value}" + (f" by {w.decided_by}" if w.decided_by else ""),
+            )
+        run = op.store.get_run(link.run_id)
+        approver = accounts.get(link.approver)
+        if approver is None or not approver.may_decide(run.flow, link.name):
+            raise _Denied(
+                403,
+                f"{link.approver!r} may not decide {link.name!r} of flow {run.flow!r} "
+                "(no account, or no grant any more)",
+            )
+        w = op.waits.get(link.run_id, link.name)
+        if w.status is not WaitStatus.OPEN:
+            return link, approver, None, w
+        if w.subject_hash != link.subject_hash:
+            raise _Denied(
+                409,
+                "the request changed since this link was sent: the link is void; "
+                "look at the request in the console's inbox",
+            )
+        item = Item(
+            w.run_id,
+            run.flow,
+            w.name,
+            w.instance,
+            readable(codec, w.subject),
+            w.subject_hash or "",
+            w.requested_by,
+            w.created_at,
+            w.due_at,
+            w.allow_self,
+            may_decide=True,
+            snoozed_until=None,
+        )
+        return link, approver, item, w
+
+    async def link_page(request: Request) -> Response:
+        token = request.path_params["token"]
+        try:
+            _link, approver, item, w = await run_in_threadpool(link_state, token)
+        except (LinkRefused, NotFound) as exc:
+            return denied(request, None, 410 if isinstance(exc, LinkRefused) else 404, str(exc))
+        except _Denied as exc:
+            return denied(request, None, exc.status, exc.message)
+        if item is None:
+            return render(request, "decided.html", None, wait=w, outcome="decided")
+        return render(request, "link.html", None, item=item, approver=approver, token=token)
+
+    async def link_decide(request: Request) -> Response:
+        token = request.path_params["token"]
+        form = await form_of(request)
+        if not _session.csrf_ok(session_of(request), form.get("csrf")):
+            return denied(request, None, 403, "the form's security token is missing or stale")
+        decision = str(form.get("decision", ""))
+        reason = str(form.get("reason", "")).strip()
+        if decision not in ("approve", "reject") or (decision == "reject" and not reason):
+            return denied(request, None, 400, "approve, or reject with a reason")
+
+        def decide_link() -> tuple[str, Wait]:
+            link, approver, item, w = link_state(token)
+            if item is None:
+                return "decided", w
+            outcome, w = decide(
+                approver,
+                link.run_id,
+                link.name,
+                item.instance,
+                decision,
+                link.subject_hash,
+                reason or "through a signed approval link",
+            )
+            if outcome in ("approved", "rejected"):
+                accounts.use_link(link.digest, by=approver.name, decision=outcome)
+            return outcome, w
+
+        try:
+            outcome, w = await run_in_threadpool(decide_link)
+        except (LinkRefused, NotFound) as exc:
+            return denied(request, None, 410 if isinstance(exc, LinkRefused) else 404, str(exc))
+        except _Denied as exc:
+            return denied(request, None, exc.status, exc.message)
+        except WaitRefused as exc:
+            return denied(request, None, 409, str(exc))
+        if outcome in ("decided", "replaced"):
+            return render(request, "decided.html", None, wait=w, outcome=outcome)
+        return render(request, "link_done.html", None, wait=w)
+
     # -- the JSON API ------------------------------------------------------------------
     @api(Role.VIEWER, post=False)
     async def api_me(request: Request, user: User, body: dict[str, Any]) -> Any:
@@ -927,6 +1026,8 @@ def build(
         Route("/runs/{run_id}/{what}", run_action, methods=["POST"]),
         Route("/effects", effects_page, methods=["GET"]),
         Route("/effects/{key_id}/resolve", effect_resolve, methods=["POST"]),
+        Route("/approve/{token}", link_page, methods=["GET"]),
+        Route("/approve/{token}", link_decide, methods=["POST"]),
         Route("/api/me", api_me, methods=["GET"]),
         Route("/api/approvals", api_approvals, methods=["GET"]),
         Route("/api/approvals/{run_id}/{name}/{decision}", api_decide, methods=["POST"]),

@@ -70,12 +70,21 @@ snoozes = Table(
     Column("at", Float, nullable=False),
 )
 
+link_uses = Table(
+    "oo_console_link_uses",
+    _metadata,
+    Column("digest", String(64), primary_key=True),  # SHA-256 of the link's token
+    Column("by_user", String(200), nullable=False),
+    Column("decision", String(20), nullable=False),
+    Column("at", Float, nullable=False),
+)
+
 CONSOLE_MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
         "console: operator accounts (role, grants, argon2 password hash), API tokens "
-        "(SHA-256) and snoozed approvals",
-        (CreateTable(users), CreateTable(tokens), CreateTable(snoozes)),
+        "(SHA-256), snoozed approvals and used approval links",
+        (CreateTable(users), CreateTable(tokens), CreateTable(snoozes), CreateTable(link_uses)),
     ),
 )
 
@@ -359,6 +368,34 @@ class Accounts:
             s = Snooze(str(r[0]), str(r[1]), int(r[2]), float(r[3]), str(r[4]), str(r[5]), r[6])
             out[(s.run_id, s.name, s.instance)] = s
         return out
+
+    # -- approval links ----------------------------------------------------------------
+    def use_link(self, digest: str, *, by: str, decision: str) -> bool:
+        """Record that the link ``digest`` decided; False if it was used before."""
+        q = self._q
+
+        def txn(cur: Any) -> bool:
+            cur.execute(f"SELECT 1 FROM oo_console_link_uses WHERE digest = {q}", (digest,))
+            if cur.fetchone() is not None:
+                return False
+            cur.execute(
+                "INSERT INTO oo_console_link_uses (digest, by_user, decision, at) "
+                f"VALUES ({q}, {q}, {q}, {q})",
+                (digest, by, decision, self.clock()),
+            )
+            return True
+
+        return bool(self.store.transact(txn))
+
+    def link_used(self, digest: str) -> bool:
+        """Whether the link ``digest`` decided already."""
+        q = self._q
+
+        def read(cur: Any) -> bool:
+            cur.execute(f"SELECT 1 FROM oo_console_link_uses WHERE digest = {q}", (digest,))
+            return cur.fetchone() is not None
+
+        return bool(self.store.read(read))
 
     # -- internals ---------------------------------------------------------------------
     def _row(self, name: str) -> tuple[Any, ...] | None:

@@ -42,6 +42,8 @@ class ConsoleConfig:
             from any other address it is ignored.
         secure_cookies: Mark cookies ``Secure`` (behind TLS).
         page_size: Rows per page of the inbox and the run list.
+        link_key: HMAC key of signed approval links (:func:`link_key`); None: the
+            ``/approve/`` links are not served.
     """
 
     session_key: bytes
@@ -50,6 +52,7 @@ class ConsoleConfig:
     trusted_proxies: frozenset[str] = field(default_factory=frozenset)
     secure_cookies: bool = False
     page_size: int = 50
+    link_key: bytes | None = None
 
 
 def session_key(keyring: Any) -> bytes:

@@ -6,6 +6,7 @@ They extend the tree rooted in :class:`checkpoint.errors.OnceOnlyError`::
     └── ConsoleError              the console cannot do what was asked
         ├── AccountError          a user or token is unknown, exists already, or malformed
         ├── NotAllowed            the signed-in user's role or grants do not allow it
+        ├── LinkRefused           an approval link is altered, expired, used or void
         └── RemoteBindRefused     a non-loopback address without --allow-remote
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from onceonly.checkpoint import OnceOnlyError
 
-__all__ = ["AccountError", "ConsoleError", "NotAllowed", "RemoteBindRefused"]
+__all__ = ["AccountError", "ConsoleError", "LinkRefused", "NotAllowed", "RemoteBindRefused"]
 
 
 class ConsoleError(OnceOnlyError):
@@ -36,6 +37,10 @@ class NotAllowed(ConsoleError):
         self.user = user
         self.action = action
         super().__init__(f"{user!r} may not {action}: {why}")
+
+
+class LinkRefused(ConsoleError):
+    """An approval link is altered, expired, used, or no longer matches its request."""
 
 
 class RemoteBindRefused(ConsoleError):
