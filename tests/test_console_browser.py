@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 
 from onceonly.checkpoint import RunStatus, WaitStatus
+from onceonly.console import approval_link, link_key
+from onceonly.ledger import Keyring
 from onceonly.testing.servers import AppServer
 from tests.console_support import PASSWORD, Console, close, make_console
 from tests.ledger_support import K1
@@ -265,4 +267,31 @@ def test_an_operator_resolves_an_effect_in_doubt_forks_and_cancels_in_the_browse
     assert "otto operator:cancel: duplicate of p1" in page.inner_text(".oplog")
     assert con.store.get_run(forked).status is RunStatus.CANCELLED
     assert con.store.get_run(rid).status is RunStatus.WAITING
+    assert len(con.sent()) == 1
+
+
+def test_a_signed_link_in_the_browser_asks_then_decides(site: Site) -> None:
+    con = site.con
+    rid = con.vendor("v-link")
+    url = approval_link(
+        link_key(Keyring([K1])),
+        site.server.url,
+        run_id=rid,
+        name="compliance",
+        subject_hash=con.open_hash(rid, "compliance"),
+        approver="abe",
+        expires_at=con.clock() + 3600,
+    )
+    ctx = site.browser.new_context()
+    site.contexts.append(ctx)
+    page = ctx.new_page()
+    page.goto(url)  # no sign-in: the link is the credential, and shows before it decides
+    assert "DE02120300000000202051" in page.inner_text("pre.subject")
+    assert con.op.waits.get(rid, "compliance").status is WaitStatus.OPEN
+    page.click("button.approve")
+    page.wait_for_selector("#done")
+    assert "approved by abe" in page.inner_text("#done")
+    page.goto(url)
+    assert "used already" in page.inner_text("main")
+    assert con.runtime.drive(rid).status is RunStatus.COMPLETED
     assert len(con.sent()) == 1
