@@ -115,6 +115,26 @@ def run_ids(
     return store.read(read)
 
 
+def in_doubt_keys(store: Store, *, now: float, offset: int, limit: int) -> tuple[list[str], int]:
+    """One page of the key ids of effects that need a person (unknown, needs human, or
+    claimed with a lapsed lease), oldest first, and how many there are: one scan."""
+    q = store.param
+    body = (
+        "FROM oo_effects WHERE status IN ('unknown', 'needs_human', 'claimed') AND "
+        f"(status <> 'claimed' OR lease_expires_at IS NULL OR lease_expires_at <= {q})"
+    )
+
+    def read(cur: Any) -> tuple[list[str], int]:
+        cur.execute(
+            f"SELECT key_id {body} ORDER BY created_at, key_id",
+            (now,),
+        )
+        keys = [str(r[0]) for r in cur.fetchall()]
+        return keys[offset : offset + limit], len(keys)
+
+    return store.read(read)
+
+
 def _escape_like(text: str) -> str:
     return text.replace("!", "!!").replace("%", "!%").replace("_", "!_")
 

@@ -52,7 +52,6 @@ _SECURITY_HEADERS = {
     "X-Frame-Options": "DENY",
     "Cache-Control": "no-store",
 }
-_IN_DOUBT = ("unknown", "needs_human", "claimed")
 MAX_FORM_BYTES = 1_000_000
 
 
@@ -296,27 +295,25 @@ def build(
     ) -> tuple[list[Item], int, int, int]:
         """One page of the inbox: its items, the page, the pages, the total."""
         now = clock()
-        total_rows = _queries.open_approvals(
-            op.store,
-            user,
-            filters,
-            now=now,
-            min_age_s=_hours(filters.get("min_age_h")) or 0.0,
-            snoozed=show_snoozed,
-            offset=0,
-            limit=0,
-        )[1]
-        pg, count, offset = _queries.pages(total_rows, config.page_size, page)
-        rows, total = _queries.open_approvals(
-            op.store,
-            user,
-            filters,
-            now=now,
-            min_age_s=_hours(filters.get("min_age_h")) or 0.0,
-            snoozed=show_snoozed,
-            offset=offset,
-            limit=config.page_size,
-        )
+        min_age_s = _hours(filters.get("min_age_h")) or 0.0
+
+        def query(offset: int) -> tuple[list[tuple[str, str, int, str]], int]:
+            return _queries.open_approvals(
+                op.store,
+                user,
+                filters,
+                now=now,
+                min_age_s=min_age_s,
+                snoozed=show_snoozed,
+                offset=offset,
+                limit=config.page_size,
+            )
+
+        # one query for the page asked (a page past the end: the last page, again)
+        rows, total = query((max(1, page or 1) - 1) * config.page_size)
+        pg, count, offset = _queries.pages(total, config.page_size, page)
+        if not rows and total:
+            rows, total = query(offset)
         snoozes = accounts.snoozes() if show_snoozed else {}
         out: list[Item] = []
         for run_id, name, instance, flow in rows:
@@ -631,18 +628,21 @@ def build(
                 pg, count, offset = _queries.pages(len(rows), config.page_size, asked)
                 shown = rows[offset : offset + config.page_size]
                 return shown, {r.run_id for r in shown}, pg, count, len(rows)
-            ids, total = _queries.run_ids(
-                op.store, status=status, flow=flow, search=needle, offset=0, limit=0
-            )
+
+            def query(offset: int) -> tuple[list[str], int]:
+                return _queries.run_ids(
+                    op.store,
+                    status=status,
+                    flow=flow,
+                    search=needle,
+                    offset=offset,
+                    limit=config.page_size,
+                )
+
+            ids, total = query((max(1, asked or 1) - 1) * config.page_size)
             pg, count, offset = _queries.pages(total, config.page_size, asked)
-            ids, total = _queries.run_ids(
-                op.store,
-                status=status,
-                flow=flow,
-                search=needle,
-                offset=offset,
-                limit=config.page_size,
-            )
+            if not ids and total:
+                ids, total = query(offset)
             shown = []
             for rid in ids:
                 with contextlib.suppress(NotFound):  # removed since the query
@@ -758,23 +758,34 @@ def build(
             raise _Denied(404, f"no action {what!r}")
         return back(f"/runs/{urllib.parse.quote(target)}", msg=f"{what}: done")
 
-    def in_doubt() -> list[Any]:
-        rows = [r for s in _IN_DOUBT for r in op.ledger.effects(status=s)]
-        now = clock()
-        # a claim still within its lease is being performed now: not in doubt yet
-        rows = [r for r in rows if r.status.value != "claimed" or (r.lease_expires_at or 0) <= now]
-        return sorted(rows, key=lambda r: (r.created_at, r.key_id))
+    def in_doubt(page: int | None, size: int) -> tuple[list[Any], int, int, int]:
+        """One page of the effects that need a person, oldest first (each read through
+        the ledger, flagged if it fails its seal), the page, the pages, the total."""
+
+        def query(offset: int) -> tuple[list[str], int]:
+            return _queries.in_doubt_keys(op.store, now=clock(), offset=offset, limit=size)
+
+        keys, total = query((max(1, page or 1) - 1) * size)
+        pg, count, offset = _queries.pages(total, size, page)
+        if not keys and total:
+            keys, total = query(offset)
+        rows = []
+        for key in keys:
+            with contextlib.suppress(OnceOnlyError):  # removed or settled since the query
+                rows.append(op.ledger.get(key))
+        return rows, pg, count, total
 
     @page(Role.VIEWER)
     async def effects_page(request: Request, user: User) -> Response:
-        rows = await run_in_threadpool(in_doubt)
-        pg, pages, shown = _paged(request, rows, config.page_size)
+        rows, pg, pages, total = await run_in_threadpool(
+            in_doubt, _int(request.query_params.get("page")), config.page_size
+        )
         return render(
             request,
             "effects.html",
             user,
-            effects=shown,
-            total=len(rows),
+            effects=rows,
+            total=total,
             page=pg,
             pages=pages,
         )
@@ -991,7 +1002,10 @@ def build(
 
     @api(Role.VIEWER, post=False)
     async def api_in_doubt(request: Request, user: User, body: dict[str, Any]) -> Any:
-        return [_effect_doc(e) for e in await run_in_threadpool(in_doubt)]
+        rows, _pg, _pages, _total = await run_in_threadpool(
+            in_doubt, _int(request.query_params.get("page")), 1000
+        )
+        return [_effect_doc(e) for e in rows]
 
     @api(Role.OPERATOR, post=True)
     async def api_resolve(request: Request, user: User, body: dict[str, Any]) -> Any:
@@ -1081,12 +1095,6 @@ def _safe_next(request: Request, given: Any = None) -> str:
     if not nxt.startswith("/") or nxt.startswith("//") or "\\" in nxt:
         return "/inbox"
     return nxt
-
-
-def _paged(request: Request, rows: list[Any], size: int) -> tuple[int, int, list[Any]]:
-    pages = max(1, math.ceil(len(rows) / size))
-    pg = min(max(1, _int(request.query_params.get("page")) or 1), pages)
-    return pg, pages, rows[(pg - 1) * size : pg * size]
 
 
 def _run_doc(r: Any) -> dict[str, Any]:
