@@ -385,6 +385,37 @@ class Waits:
         """
         return self._decide(run_id, name, WaitStatus.APPROVED, actor, reason, subject_hash)
 
+    def approve_edited(
+        self,
+        run_id: str,
+        name: str,
+        *,
+        actor: str,
+        subject_hash: str,
+        subject: Any,
+        reason: str = "",
+    ) -> Wait:
+        """Edit, then approve: the approver changes what was requested (shown to them
+        with ``subject_hash``) and approves the changed subject, in one transaction. The
+        wait is then bound to the new subject's hash (the step's ``ctx.approved`` checks
+        it), and its reason records the hash of what was requested.
+
+        Raises:
+            WaitNotFound: No such wait.
+            WaitRefused: As :meth:`approve` (``subject_hash`` must be the hash of what
+                was requested). Nothing was recorded.
+            CodecError: The new subject cannot be encoded.
+        """
+        encoded = self.store.codec.encode(subject)
+        note = (
+            f"edited (requested {subject_hash[:16]}): {reason}"
+            if reason
+            else (f"edited (requested {subject_hash[:16]})")
+        )
+        return self._decide(
+            run_id, name, WaitStatus.APPROVED, actor, note, subject_hash, edited=encoded
+        )
+
     def reject(self, run_id: str, name: str, *, actor: str, reason: str = "") -> Wait:
         """Reject an open approval request; wakes the run.
 
@@ -568,6 +599,8 @@ class Waits:
         actor: str,
         reason: str,
         digest: str | None,
+        *,
+        edited: bytes | None = None,
     ) -> Wait:
         if not actor:
             raise ConfigurationError("an approval or rejection needs the actor's identity")
@@ -584,12 +617,33 @@ class Waits:
                 return False
             # CAS on the open state of the instance that was checked: two approvers
             # racing, one wins; a new instance opened meanwhile is not decided blind.
-            cur.execute(
-                f"UPDATE oo_waits SET status = {q}, decided_by = {q}, decided_at = {q}, "
-                f"reason = {q} WHERE run_id = {q} AND name = {q} AND instance = {q} "
-                f"AND status = 'open' AND (due_at IS NULL OR due_at > {q})",
-                (status.value, actor, now, reason, run_id, name, wait.instance, now),
-            )
+            if edited is None:
+                cur.execute(
+                    f"UPDATE oo_waits SET status = {q}, decided_by = {q}, decided_at = {q}, "
+                    f"reason = {q} WHERE run_id = {q} AND name = {q} AND instance = {q} "
+                    f"AND status = 'open' AND (due_at IS NULL OR due_at > {q})",
+                    (status.value, actor, now, reason, run_id, name, wait.instance, now),
+                )
+            else:  # edit-then-approve: the new subject and its hash with the decision
+                cur.execute(
+                    f"UPDATE oo_waits SET status = {q}, decided_by = {q}, decided_at = {q}, "
+                    f"reason = {q}, subject = {q}, subject_hash = {q} WHERE run_id = {q} "
+                    f"AND name = {q} AND instance = {q} AND subject_hash = {q} "
+                    f"AND status = 'open' AND (due_at IS NULL OR due_at > {q})",
+                    (
+                        status.value,
+                        actor,
+                        now,
+                        reason,
+                        edited,
+                        blake3.blake3(edited).hexdigest(),
+                        run_id,
+                        name,
+                        wait.instance,
+                        digest,
+                        now,
+                    ),
+                )
             if not cur.rowcount:
                 return False
             self._reseal(cur, run_id, name, wait.instance)

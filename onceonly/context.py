@@ -249,8 +249,9 @@ class StepContext(_Recording):
         return None if got is None else str(got.get("status"))
 
     def approved(self, name: str, subject: Any = None) -> Mapping[str, Any]:
-        """The approval ``name`` (who, when); with ``subject``, also check that it is
-        exactly what was approved.
+        """The approval ``name`` (who, when, and under ``"subject"`` exactly what was
+        approved: an approver may have edited the request, so act on this); with
+        ``subject``, also check that it is exactly what was approved.
 
         Raises:
             ConfigurationError: No such approval was granted.

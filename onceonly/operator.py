@@ -151,6 +151,32 @@ class Operator:
             run_id, name, actor=actor, subject_hash=subject_hash, reason=reason
         )
 
+    def approve_edited(
+        self,
+        run_id: str,
+        name: str,
+        *,
+        actor: str,
+        subject_hash: str,
+        subject: Any,
+        reason: str = "",
+    ) -> Wait:
+        """Edit, then approve: approve ``subject`` instead of what was requested (whose
+        hash, ``subject_hash``, the approver saw), as one recorded decision. The step
+        after the approval finds the new subject in ``ctx.approved(name)["subject"]``,
+        and ``ctx.approved(name, x)`` checks ``x`` against it.
+
+        Raises:
+            RunNotFound: No such run.
+            WaitNotFound: The run has no approval of that name.
+            WaitRefused: As :meth:`approve`.
+            CodecError: The new subject cannot be stored.
+        """
+        self.store.get_run(run_id)
+        return self.waits.approve_edited(
+            run_id, name, actor=actor, subject_hash=subject_hash, subject=subject, reason=reason
+        )
+
     def reject(self, run_id: str, name: str, *, actor: str, reason: str = "") -> Wait:
         """Reject an approval request.
 

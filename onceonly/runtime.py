@@ -625,6 +625,9 @@ class Runtime:
             record["payload"] = wait.payload
         if wait.kind is WaitKind.APPROVAL:
             record["subject_hash"] = wait.subject_hash
+            if wait.status is WaitStatus.APPROVED:
+                # what was approved (an approver may have edited it): ctx.approved(name)
+                record["subject"] = wait.subject
         waits = dict(meta.get("waits") or {})
         waits[name] = record
         meta["waits"] = waits

@@ -52,6 +52,7 @@ _SECTION_MODULES: dict[str, tuple[str, ...]] = {
         "onceonly.errors",
         "onceonly.testing",
     ),
+    "Console": ("onceonly.console",),
 }
 _DEFAULT_MODULES = ("onceonly.checkpoint",)
 _ATTRIBUTE = re.compile(r"^(?P<name>[A-Za-z_][\w.]*): .+$")

@@ -14,7 +14,13 @@ from onceonly import checkpoint
 from onceonly.checkpoint import OnceOnlyError
 from onceonly.checkpoint import errors as checkpoint_errors
 
-PACKAGES = ["onceonly.checkpoint", "onceonly.ledger", "onceonly.adapters", "onceonly"]
+PACKAGES = [
+    "onceonly.checkpoint",
+    "onceonly.ledger",
+    "onceonly.adapters",
+    "onceonly",
+    "onceonly.console",
+]
 
 
 CHECKPOINT_MODULES = [

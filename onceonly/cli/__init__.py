@@ -38,6 +38,7 @@ from ._common import (
     url_option,
 )
 from ._logging import LOG_FORMATS, LOG_LEVELS
+from .console import console
 from .effects import audit, effects
 from .runs import approve_cmd, reject_cmd, runs, signal_cmd
 
@@ -152,6 +153,7 @@ cli.add_command(runs)
 cli.add_command(approve_cmd)
 cli.add_command(reject_cmd)
 cli.add_command(signal_cmd)
+cli.add_command(console)
 
 
 @cli.command("gc")

@@ -124,7 +124,7 @@ def run(db: str | None = None, crash_at: str = "approval", seed: int | None = No
                 console, rng, spawn, work, store, ledger, ops, documents, completed
             )
         else:
-            kills = _deploy_during_approval(console, spawn, store, ops, documents, waiting_on)
+            kills = _deploy_during_approval(console, spawn, store, ops, documents, waiting_on, url)
         ok = _wait(completed, 60, workers)
         for proc in workers:
             if proc.poll() is None:
@@ -156,6 +156,7 @@ def _deploy_during_approval(
     ops: Operator,
     documents: dict[str, str],
     waiting_on: Callable[[str], Callable[[], bool]],
+    url: str,
 ) -> int:
     first = spawn()
     console.print(f"worker 1 (pid {first.pid}) e-mails the supplier and waits for documents")
@@ -167,6 +168,12 @@ def _deploy_during_approval(
         raise SystemExit("the run did not reach the approval; see the worker log")
     run = store.get_run(RUN_ID)
     console.print(f"waiting for compliance; handoff note: done {list(run.handoff.done)}")
+    console.print(
+        "a compliance officer would open the run in the console: "
+        f"[bold]onceonly console --url {url}[/bold], then "
+        f"http://127.0.0.1:8080/runs/{RUN_ID} (this demo approves it itself)",
+        soft_wrap=True,
+    )
     first.kill()
     first.wait(10)
     console.print("[yellow]deploy: worker 1 SIGKILLed while the run waits[/yellow]")
