@@ -38,6 +38,7 @@ COLORS = {
 W1_COLORS = {
     "onceonly": "#d62728",
     "onceonly-witness": "#ff9896",
+    "onceonly-guard": "#e377c2",
     "floor": "#7f7f7f",
     "langgraph": "#1f77b4",
     "dbos": "#2ca02c",
