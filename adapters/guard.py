@@ -386,28 +386,42 @@ def _end(span: trace.Span, machine: _core.Attempts, end: _core.Settle | _core.Ra
 def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], Any]) -> Any:
     """The sync driver."""
     machine = _attempts(spec)
+    if _untraced():  # no span to make: drive the calls without entering one
+        return _drive(spec, ident, call_args, act, machine, trace.INVALID_SPAN)
     with _traced(spec, ident, machine) as span:
-        action = machine.start()
-        while not isinstance(action, _core.Settle | _core.Raise):
-            answer: Any = None
-            match action:
-                case _core.Pause(attempt):
-                    time.sleep(spec.retry.pause_before(attempt))
-                case _core.Act(claim):
-                    failpoint("adapters.act.before")
-                    try:
-                        with _acting(claim):
-                            result = act()
-                    except BaseException as exc:  # noqa: BLE001  (the core decides)
-                        answer = _core.acting_failed(exc)
-                    else:
-                        answer = _acted(result)
-                case _core.LeaveInDoubt(claim, error):
-                    _interrupted(spec.ledger, claim, error)
-                case _:
-                    answer = _perform(spec, ident, call_args, action)
-            action = machine.send(answer)
-        return _end(span, machine, action)
+        return _drive(spec, ident, call_args, act, machine, span)
+
+
+def _drive(
+    spec: _Spec,
+    ident: EffectIdentity,
+    call_args: Any,
+    act: Callable[[], Any],
+    machine: _core.Attempts,
+    span: trace.Span,
+) -> Any:
+    """The sync driver's loop: carry out the core's actions until it settles or raises."""
+    action = machine.start()
+    while not isinstance(action, _core.Settle | _core.Raise):
+        answer: Any = None
+        match action:
+            case _core.Pause(attempt):
+                time.sleep(spec.retry.pause_before(attempt))
+            case _core.Act(claim):
+                failpoint("adapters.act.before")
+                try:
+                    with _acting(claim):
+                        result = act()
+                except BaseException as exc:  # noqa: BLE001  (the core decides)
+                    answer = _core.acting_failed(exc)
+                else:
+                    answer = _acted(result)
+            case _core.LeaveInDoubt(claim, error):
+                _interrupted(spec.ledger, claim, error)
+            case _:
+                answer = _perform(spec, ident, call_args, action)
+        action = machine.send(answer)
+    return _end(span, machine, action)
 
 
 async def _run_async(
