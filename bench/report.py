@@ -870,6 +870,17 @@ def _w1_observations(results: dict[str, Any], s1: dict[str, Any] | None) -> list
             f"every later call (median {ms(o['warm_median_ms'])}) is a dictionary lookup, "
             "the key and fingerprint derivations and opening the sealed result."
         )
+    g = s1.get("onceonly-guard")
+    if o and g and g.get("warm_reps") and o.get("warm_reps"):
+        obs.append(
+            f"W1 warm, onceonly `guard` in a `step`: median {ms(g['warm_median_ms'])} against "
+            f"`perform`'s {ms(o['warm_median_ms'])} (first call {ms(g['warm_first_ms'])}, the "
+            "same prefetch). On top of `perform` the guard binds the call's arguments, takes "
+            "the identity from the step, derives the key once (the ledger remembers it for "
+            "the claim and the span), checks the step's recorded prefix and drives the "
+            "attempt loop of its core; with no tracer provider set it makes no span. "
+            f"Cold: {ms(g['cold_median_ms'])} against `perform`'s {ms(o['cold_median_ms'])}."
+        )
     if o and o.get("cold_reps"):
         obs.append(
             f"W1 cold: onceonly's CPU time per call is {ms(o['cold_cpu_ms'])} against the "
