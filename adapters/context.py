@@ -91,34 +91,42 @@ class _StepState:
     recorded: tuple[str, ...] = ()
     asked: set[int] = field(default_factory=set)  # indexes into recorded
     lock: threading.Lock = field(default_factory=threading.Lock)  # branches share a step
+    first: int = 0  # every recorded index below this one was asked for
 
     def remaining(self) -> list[str]:
         return [k for i, k in enumerate(self.recorded) if i not in self.asked]
+
+    def _ask(self, i: int) -> None:
+        """Mark recorded index ``i`` asked for (under the lock); the first unasked index
+        moves past it, so each call costs what it asks, not the step's length."""
+        self.asked.add(i)
+        while self.first < len(self.recorded) and self.first in self.asked:
+            self.first += 1
 
     def expect(self, key_ids: Sequence[str], *, explicit: bool = False) -> None:
         """Check a call's key against the recorded ones. ``key_ids`` are the call's key
         under every secret of the keyring (an effect recorded before a key rotation
         carries the old secret's key id)."""
         with self.lock:
-            pending = [i for i in range(len(self.recorded)) if i not in self.asked]
-            if not pending:
+            head = self.first
+            if head >= len(self.recorded):
                 return  # past the recorded prefix: new effects are the step's own business
-            if self.recorded[pending[0]] in key_ids:
-                self.asked.add(pending[0])
+            if self.recorded[head] in key_ids:
+                self._ask(head)
                 return
             if explicit:
                 # An explicit key names its effect wherever the call sits: recorded by this
                 # step, it may come in any order (concurrent branches claim in any order);
                 # not recorded here, it is another run's effect or a new one.
-                for i in pending[1:]:
-                    if self.recorded[i] in key_ids:
-                        self.asked.add(i)
+                for i in range(head + 1, len(self.recorded)):
+                    if i not in self.asked and self.recorded[i] in key_ids:
+                        self._ask(i)
                         return
                 return
             raise StepDiverged(
                 self.run_id,
                 self.step_id,
-                self.recorded[pending[0]],
+                self.recorded[head],
                 key_ids[0],
                 self.remaining(),
             )

@@ -176,11 +176,16 @@ def guard(
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         sig = inspect.signature(fn)
+        positional = _plain_names(sig)
 
         def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[EffectIdentity, Any]:
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            call_args = dict(bound.arguments)
+            if positional is not None and not kwargs and len(args) == len(positional):
+                # every parameter given by position: what bind() would map, without it
+                call_args = dict(zip(positional, args, strict=True))
+            else:
+                bound = sig.bind(*args, **kwargs)
+                bound.apply_defaults()
+                call_args = dict(bound.arguments)
             if key is not None or recipe is not None:
                 explicit = (
                     key(*args, **kwargs)
@@ -214,6 +219,15 @@ def guard(
         return wrapper
 
     return decorate
+
+
+def _plain_names(sig: inspect.Signature) -> tuple[str, ...] | None:
+    """The parameter names when every parameter is an ordinary positional-or-keyword one
+    (then a call giving all of them by position binds them in order); else None."""
+    params = sig.parameters.values()
+    if all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        return tuple(p.name for p in params)
+    return None
 
 
 # -- the drivers ------------------------------------------------------------------------
@@ -334,9 +348,22 @@ def _acted(result: Any) -> _core.Succeeded:
     return _core.Succeeded(result)
 
 
+def _untraced() -> bool:
+    """Whether no tracer provider is set (OpenTelemetry's API would hand out no-op spans)."""
+    return isinstance(trace.get_tracer_provider(), _NO_PROVIDER)
+
+
+_NO_PROVIDER = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+
+
 @contextlib.contextmanager
 def _traced(spec: _Spec, ident: EffectIdentity, machine: _core.Attempts) -> Iterator[trace.Span]:
-    """The call's span; a call that ends with an error is finished by it."""
+    """The call's span; a call that ends with an error is finished by it. With no
+    tracer provider set nothing would record it: no span is made (a provider set later
+    is picked up by the next call)."""
+    if _untraced():
+        yield trace.INVALID_SPAN
+        return
     with _tracer.start_as_current_span(
         f"execute_tool {spec.effect}", record_exception=False, set_status_on_exception=False
     ) as span:
@@ -359,28 +386,42 @@ def _end(span: trace.Span, machine: _core.Attempts, end: _core.Settle | _core.Ra
 def _run(spec: _Spec, ident: EffectIdentity, call_args: Any, act: Callable[[], Any]) -> Any:
     """The sync driver."""
     machine = _attempts(spec)
+    if _untraced():  # no span to make: drive the calls without entering one
+        return _drive(spec, ident, call_args, act, machine, trace.INVALID_SPAN)
     with _traced(spec, ident, machine) as span:
-        action = machine.start()
-        while not isinstance(action, _core.Settle | _core.Raise):
-            answer: Any = None
-            match action:
-                case _core.Pause(attempt):
-                    time.sleep(spec.retry.pause_before(attempt))
-                case _core.Act(claim):
-                    failpoint("adapters.act.before")
-                    try:
-                        with _acting(claim, spec.ledger):
-                            result = act()
-                    except BaseException as exc:  # noqa: BLE001  (the core decides)
-                        answer = _core.acting_failed(exc)
-                    else:
-                        answer = _acted(result)
-                case _core.LeaveInDoubt(claim, error):
-                    _interrupted(spec.ledger, claim, error)
-                case _:
-                    answer = _perform(spec, ident, call_args, action)
-            action = machine.send(answer)
-        return _end(span, machine, action)
+        return _drive(spec, ident, call_args, act, machine, span)
+
+
+def _drive(
+    spec: _Spec,
+    ident: EffectIdentity,
+    call_args: Any,
+    act: Callable[[], Any],
+    machine: _core.Attempts,
+    span: trace.Span,
+) -> Any:
+    """The sync driver's loop: carry out the core's actions until it settles or raises."""
+    action = machine.start()
+    while not isinstance(action, _core.Settle | _core.Raise):
+        answer: Any = None
+        match action:
+            case _core.Pause(attempt):
+                time.sleep(spec.retry.pause_before(attempt))
+            case _core.Act(claim):
+                failpoint("adapters.act.before")
+                try:
+                    with _acting(claim, spec.ledger):
+                        result = act()
+                except BaseException as exc:  # noqa: BLE001  (the core decides)
+                    answer = _core.acting_failed(exc)
+                else:
+                    answer = _acted(result)
+            case _core.LeaveInDoubt(claim, error):
+                _interrupted(spec.ledger, claim, error)
+            case _:
+                answer = _perform(spec, ident, call_args, action)
+        action = machine.send(answer)
+    return _end(span, machine, action)
 
 
 async def _run_async(

@@ -38,6 +38,7 @@ COLORS = {
 W1_COLORS = {
     "onceonly": "#d62728",
     "onceonly-witness": "#ff9896",
+    "onceonly-guard": "#e377c2",
     "floor": "#7f7f7f",
     "langgraph": "#1f77b4",
     "dbos": "#2ca02c",
@@ -868,6 +869,17 @@ def _w1_observations(results: dict[str, Any], s1: dict[str, Any] | None) -> list
             "run's recorded outcomes in one range scan and loads the subject's data key; "
             f"every later call (median {ms(o['warm_median_ms'])}) is a dictionary lookup, "
             "the key and fingerprint derivations and opening the sealed result."
+        )
+    g = s1.get("onceonly-guard")
+    if o and g and g.get("warm_reps") and o.get("warm_reps"):
+        obs.append(
+            f"W1 warm, onceonly `guard` in a `step`: median {ms(g['warm_median_ms'])} against "
+            f"`perform`'s {ms(o['warm_median_ms'])} (first call {ms(g['warm_first_ms'])}, the "
+            "same prefetch). On top of `perform` the guard binds the call's arguments, takes "
+            "the identity from the step, derives the key once (the ledger remembers it for "
+            "the claim and the span), checks the step's recorded prefix and drives the "
+            "attempt loop of its core; with no tracer provider set it makes no span. "
+            f"Cold: {ms(g['cold_median_ms'])} against `perform`'s {ms(o['cold_median_ms'])}."
         )
     if o and o.get("cold_reps"):
         obs.append(

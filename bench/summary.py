@@ -261,6 +261,28 @@ def targets(
                 r["xr_warm_median_ms"],
             ),
         ]
+        g = s1.get("onceonly-guard")
+        if g is not None:
+            out += [
+                Target(
+                    "W1",
+                    f"cold per-call median ≤ 1.6{TIMES} the two-commit floor",
+                    "onceonly-guard",
+                    g["x_cold_median_ms"],
+                    TIMES,
+                    1.6,
+                    g["xr_cold_median_ms"],
+                ),
+                Target(
+                    "W1",
+                    f"warm per-call median ≤ 1.5{TIMES} the floor lookup",
+                    "onceonly-guard",
+                    g["x_warm_median_ms"],
+                    TIMES,
+                    1.5,
+                    g["xr_warm_median_ms"],
+                ),
+            ]
         rec = r["probe_recorded"]
         if rec:
             out.append(

@@ -48,7 +48,7 @@ from . import _util, systems, workload
 CALLS = workload.W1_CALLS
 PROBE_CALLS = 50
 CONCURRENCY = 32
-SYSTEMS = ["onceonly", "onceonly-witness", "floor", "langgraph", "dbos"]
+SYSTEMS = ["onceonly", "onceonly-guard", "onceonly-witness", "floor", "langgraph", "dbos"]
 FLOOR = "floor"
 ASYNC_SYSTEMS = ["onceonly"]
 CHILD_TIMEOUT_S = 300

@@ -55,6 +55,8 @@ _DUMPS = json.JSONEncoder(
     ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False
 ).encode
 _TAG = "\x00"
+_ESCAPED_TAG = "\\u0000"  # how the tag character appears in encoded text
+_PLAIN = json.JSONDecoder().decode
 
 
 def _sort_key(item: tuple[Any, Any]) -> str:
@@ -236,6 +238,10 @@ class Codec:
             text = data.decode("utf-8") if isinstance(data, bytes | bytearray) else data
             if not self._strict:
                 return self._lenient(json.loads(text))
+            if _ESCAPED_TAG not in text:
+                # No string holds the tag character (JSON can only spell it escaped), so
+                # the hook would hand back every object as it is: skip calling it.
+                return _PLAIN(text)
             return self._decoder.decode(text)
         except CorruptRecord:
             raise

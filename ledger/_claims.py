@@ -31,6 +31,9 @@ from .records import Claim, EffectStatus, ProviderClass, Replay
 
 __all__ = ["ClaimMixin"]
 
+#: Identities whose key ids are kept (a guarded call derives its key once, not per use).
+_KEY_MEMO_SIZE = 1024
+
 
 @dataclass(frozen=True)
 class _Outcome:
@@ -49,11 +52,23 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
     def key_ids(self, identity: EffectIdentity) -> list[tuple[str, str]]:
         """``(secret id, key id)`` candidates for an identity, current secret first."""
         parts = identity.parts()
-        return [(sid, self.keyring.key_id(sid, parts)) for sid in self.keyring.ids]
+        # the types join the memo's key: 1 and True are equal keys, but only an int is a
+        # valid part (True is refused by the derivation, every time)
+        memo_key = (parts, tuple(map(type, parts)))
+        keyring = self.keyring
+        memo = self._key_memo
+        hit = memo.get(memo_key)
+        if hit is not None and hit[0] is keyring:
+            return list(hit[1])
+        kids = [(sid, keyring.key_id(sid, parts)) for sid in keyring.ids]
+        if len(memo) >= _KEY_MEMO_SIZE:  # the calls of one moment, not a run's history
+            memo.clear()
+        memo[memo_key] = (keyring, kids)
+        return list(kids)
 
     def key_id(self, identity: EffectIdentity) -> str:
         """The key id this identity has under the current secret."""
-        return self.keyring.key_id(self.keyring.current_id, identity.parts())
+        return self.key_ids(identity)[0][1]
 
     # -- claim --------------------------------------------------------------------------
     def claim(

@@ -54,6 +54,11 @@ class LedgerState:
     _verified: dict[str, tuple[int, float]]
     _recount_cost: dict[str, float]
     _terminal: dict[str, Row]  # finished rows replayed from memory, by key id
+    # identity parts -> (keyring, its (secret id, key id) candidates): a guarded call asks
+    # for its key ids up to three times (divergence check, span, claim); derived once
+    _key_memo: dict[
+        tuple[tuple[object, ...], tuple[type, ...]], tuple[Keyring, list[tuple[str, str]]]
+    ]
     _prefetched: set[str]  # runs whose finished effects were loaded
     _live: set[tuple[str, int]]  # claims this object handed out, open
     # key id -> (the row as this process sealed it, its event as appended): a read

@@ -112,6 +112,7 @@ class Ledger(ReconcileMixin, QueryMixin):
         self._lock = threading.Lock()
         self._heads: dict[str, tuple[int, bytes]] = {}
         self._terminal: dict[str, Row] = {}
+        self._key_memo = {}
         self._prefetched: set[str] = set()
         self._poisoned: BaseException | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None

@@ -155,6 +155,7 @@ class W1System(ABC):
 _W1_REGISTRY: dict[str, tuple[str, str]] = {
     "onceonly": ("bench.systems.w1_onceonly", "LedgerCalls"),
     "onceonly-witness": ("bench.systems.w1_onceonly", "WitnessedLedgerCalls"),
+    "onceonly-guard": ("bench.systems.w1_onceonly", "GuardCalls"),
     "floor": ("bench.systems.w1_floor", "TwoCommitFloor"),
     "langgraph": ("bench.systems.w1_langgraph", "LangGraphTasks"),
     "dbos": ("bench.systems.w1_dbos", "DbosSteps"),
@@ -163,6 +164,7 @@ _W1_REGISTRY: dict[str, tuple[str, str]] = {
 W1_LABELS: dict[str, str] = {
     "onceonly": "onceonly `Ledger.perform` (sync durability)",
     "onceonly-witness": "onceonly `Ledger.perform`, sync, with a witness file",
+    "onceonly-guard": "onceonly `guard` in a `step` (sync durability)",
     "floor": "floor: sqlite3 WAL FULL, 2 commits per call",
     "langgraph": "LangGraph `@entrypoint` + `@task`, SqliteSaver sync",
     "dbos": "DBOS `@DBOS.step` in a workflow, SQLite WAL",

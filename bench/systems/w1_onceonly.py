@@ -7,7 +7,11 @@ ordinal=i), arg, act)``: the intent is durable before ``act`` runs and the outco
 ``Ledger.aperform`` on a ``durability="async"`` store, whose concurrent transactions share
 group commits. ``onceonly-witness``: the same, with a witness file beside the database
 (``Ledger(..., witness=PATH)``, as ``ONCEONLY_WITNESS`` sets it): every claim first
-appends its chain's head to the witness and fsyncs it.
+appends its chain's head to the witness and fsyncs it. ``onceonly-guard``: the same calls
+through ``adapters.guard`` inside ``adapters.step(run, step)`` (the key comes from the
+step and the call's ordinal, as a runtime's guarded tool call gets it), so the guard's
+own per-call work (argument binding, key derivation, the step's divergence check, the
+span) shows beside ``perform``'s.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import workload
+from onceonly.adapters import guard, step
 from onceonly.checkpoint import Store
 from onceonly.ledger import (
     Claim,
@@ -175,3 +180,62 @@ class WitnessedLedgerCalls(LedgerCalls):
 
     name = "onceonly-witness"
     witnessed = True
+
+
+class GuardCalls(LedgerCalls):
+    """The same calls through ``adapters.guard`` inside ``adapters.step`` (the key from the
+    step and the call's ordinal: the identities are ``perform``'s)."""
+
+    name = "onceonly-guard"
+
+    def _run(self, db: Path, calls: int, *, tolerant: bool) -> CallsResult:
+        clock = time.perf_counter
+        t0 = clock()
+        store, led = self._open(db, wait=not tolerant)
+        open_s = clock() - t0
+
+        @guard(led, effect=EFFECT, tenant=TENANT)
+        def send(arg: dict[str, Any]) -> dict[str, Any]:
+            return workload.send_email(arg)
+
+        args = [workload.make_arg(i) for i in range(calls)]
+        call_s: list[float] = []
+        results: list[Any] = []
+        errors: dict[str, int] = {}
+        try:
+            with step(RUN_ID, STEP, tenant=TENANT):
+                t_first = clock()
+                for i in range(calls):
+                    t0 = clock()
+                    try:
+                        results.append(send(args[i]))
+                    except Exception as exc:
+                        if not tolerant:
+                            raise
+                        errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                        results.append(None)
+                    call_s.append(clock() - t0)
+                total = clock() - t_first
+        finally:
+            led.close()
+            store.close()
+        return CallsResult(
+            call_s,
+            total,
+            workload.EFFECT.executed,
+            results,
+            {"open_ms": open_s * 1e3, "durability": "sync"},
+            errors,
+        )
+
+    def probe_child(self, db: Path, calls: int) -> None:
+        _store, led = self._open(db)
+
+        @guard(led, effect=EFFECT, tenant=TENANT)
+        def send(arg: dict[str, Any]) -> dict[str, Any]:
+            return workload.send_email(arg)
+
+        with step(RUN_ID, STEP, tenant=TENANT):
+            for i in range(calls):
+                send(workload.make_arg(i))
+        os._exit(0)
