@@ -346,7 +346,7 @@ class IdempotencyMiddleware:
 
         renewing = asyncio.create_task(self._renew(claim))
         try:
-            with _acting(claim):
+            with _acting(claim, self.ledger):
                 await self.app(scope, replay_receive, capture)
         finally:
             renewing.cancel()
