@@ -7,6 +7,7 @@ set ``ONCEONLY_TEST_NO_PG=1`` to run the SQLite half alone, and the run says so.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -111,6 +112,16 @@ def _tracing() -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
     trace.set_tracer_provider(provider)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_event_loop_left_running(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A module that leaves an event loop running in the main thread (a session-wide
+    Playwright sync API did) makes every later ``asyncio.run`` fail, far from the cause:
+    name the module that did it instead."""
+    yield
+    if asyncio.events._get_running_loop() is not None:
+        pytest.fail(f"{request.module.__name__} left an event loop running in the main thread")
 
 
 @pytest.fixture

@@ -42,10 +42,12 @@ CHROMIUM_ARGS = [
 WAIT_S = 60.0  # conditions on a busy machine: generous, never a sleep
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """One Chromium for the session. Missing, it fails with what to install (a skipped
-    browser suite would pass for nothing)."""
+    """One Chromium for this module. Missing, it fails with what to install (a skipped
+    browser suite would pass for nothing). Not for the session: Playwright's sync API
+    keeps an event loop running in the main thread while it is open, and every later
+    test's ``asyncio.run`` would refuse to start."""
     if not CHROMIUM.exists():
         pytest.fail(
             f"no {CHROMIUM}: apt-get install -y chromium (.ci/run does); the console's "
