@@ -9,6 +9,7 @@ Private: :class:`~adapters.pydantic_ai.PydanticAIToolGuard` and
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
@@ -28,6 +29,16 @@ R = TypeVar("R")
 C = TypeVar("C")
 
 Guarded = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def require(module: str, what: str, extra: str) -> Any:
+    """The optional SDK ``module`` (imported lazily), or an ImportError naming ``extra``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # pragma: no cover  (the extras are installed in CI)
+        raise ImportError(
+            f"guarding {what} tools needs the extra: pip install 'onceonly[{extra}]'"
+        ) from exc
 
 
 def policy_guard(

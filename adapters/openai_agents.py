@@ -43,7 +43,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
 from onceonly.ledger import Ledger
 
-from ._tool_calls import Guarded, SDKToolGuard, policy_guard
+from ._tool_calls import Guarded, SDKToolGuard, policy_guard, require
 from .langgraph import ToolPolicy
 
 __all__ = ["AgentsToolGuard", "ApprovalMismatch"]
@@ -73,13 +73,7 @@ class ApprovalMismatch(ConfigurationError):
 
 
 def _require() -> Any:
-    try:
-        import agents  # noqa: PLC0415  (the optional extra)
-    except ImportError as exc:  # pragma: no cover  (the extra is installed in CI)
-        raise ImportError(
-            "guarding Agents SDK tools needs the extra: pip install 'onceonly[openai-agents]'"
-        ) from exc
-    return agents
+    return require("agents", "Agents SDK", "openai-agents")
 
 
 def _group_id(ctx: Any) -> str | None:

@@ -41,7 +41,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from onceonly.checkpoint.errors import ConfigurationError
 from onceonly.ledger import Ledger
 
-from ._tool_calls import Guarded, SDKToolGuard, policy_guard
+from ._tool_calls import Guarded, SDKToolGuard, policy_guard, require
 from .langgraph import ToolPolicy
 
 __all__ = ["PydanticAIToolGuard"]
@@ -52,13 +52,7 @@ C = TypeVar("C")
 
 
 def _require() -> Any:
-    try:
-        import pydantic_ai  # noqa: PLC0415  (the optional extra)
-    except ImportError as exc:  # pragma: no cover  (the extra is installed in CI)
-        raise ImportError(
-            "guarding Pydantic AI tools needs the extra: pip install 'onceonly[pydantic-ai]'"
-        ) from exc
-    return pydantic_ai
+    return require("pydantic_ai", "Pydantic AI", "pydantic-ai")
 
 
 class PydanticAIToolGuard(SDKToolGuard):
