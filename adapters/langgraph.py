@@ -147,8 +147,9 @@ from onceonly.ledger.keys import canonical_args
 
 from . import _langgraph_doubt as _doubt
 from . import _langgraph_fork as _fork
+from . import _tool_calls
 from .context import step
-from .guard import Probe, RetryPolicy, guard
+from .guard import Probe, RetryPolicy
 
 if TYPE_CHECKING:
     from langchain_core.messages import ToolMessage
@@ -500,9 +501,7 @@ class ToolGuard:
         Keyed with the ledger's current secret (an unkeyed hash of arguments is a
         dictionary oracle); equal arguments in any order hash alike.
         """
-        keyring = self.ledger.keyring
-        canonical = canonical_args({"tool": tool, "args": args}, self.ledger.codec)
-        return keyring.fingerprint(keyring.current_id, canonical)
+        return _tool_calls.approval_hash(self.ledger, tool, args)
 
     def middleware(self) -> Any:
         """This guard as a langchain ``create_agent`` middleware (``AgentMiddleware``).
@@ -774,15 +773,7 @@ class ToolGuard:
     def _guard_as(
         self, policy: ToolPolicy, name: str, classify: Callable[[BaseException], OutcomeClass]
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        return guard(
-            self.ledger,
-            effect=policy.effect or f"{name}@1",
-            provider_class=policy.provider_class,
-            window_s=policy.window_s,
-            retry=policy.retry,
-            classify=classify,
-            probe=policy.probe,
-        )
+        return _tool_calls.policy_guard(self.ledger, policy, name, classify)
 
     def _task_position(self, name: str) -> tuple[str, str, _Plan]:
         """The run, step and plan of the functional-API task now running (for :meth:`task`)."""

@@ -34,20 +34,16 @@ first used.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from collections.abc import Callable, Mapping
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from onceonly.checkpoint.errors import ConfigurationError, OnceOnlyError
 from onceonly.ledger import Ledger
-from onceonly.ledger.keys import canonical_args
 
-from .context import step
-from .guard import guard
+from ._tool_calls import Guarded, SDKToolGuard, policy_guard, require
 from .langgraph import ToolPolicy
 
 __all__ = ["AgentsToolGuard", "ApprovalMismatch"]
@@ -77,13 +73,7 @@ class ApprovalMismatch(ConfigurationError):
 
 
 def _require() -> Any:
-    try:
-        import agents  # noqa: PLC0415  (the optional extra)
-    except ImportError as exc:  # pragma: no cover  (the extra is installed in CI)
-        raise ImportError(
-            "guarding Agents SDK tools needs the extra: pip install 'onceonly[openai-agents]'"
-        ) from exc
-    return agents
+    return require("agents", "Agents SDK", "openai-agents")
 
 
 def _group_id(ctx: Any) -> str | None:
@@ -91,7 +81,7 @@ def _group_id(ctx: Any) -> str | None:
     return getattr(config, "group_id", None)
 
 
-class AgentsToolGuard:
+class AgentsToolGuard(SDKToolGuard):
     """Guards the function tools of OpenAI Agents SDK agents (see the module docstring).
 
     Example::
@@ -124,19 +114,12 @@ class AgentsToolGuard:
         tenant: str = "",
         conversation: Callable[[Any], str | None] = _group_id,
     ) -> None:
-        self.ledger = ledger
-        self.policies = dict(policies or {})
-        self.default = default or ToolPolicy()
-        self.tenant = tenant
+        super().__init__(ledger, policies=policies, default=default or ToolPolicy(), tenant=tenant)
         self.conversation = conversation
         self._places: OrderedDict[str, str] = OrderedDict()  # call id -> position
         self._approved: dict[str, str] = {}  # call id -> args hash approved
         self._lock = threading.Lock()
         self._hooks: Any = None
-
-    def policy(self, tool: str) -> ToolPolicy:
-        """The policy of ``tool``."""
-        return self.policies.get(tool, self.default)
 
     @property
     def hooks(self) -> Any:
@@ -164,16 +147,6 @@ class AgentsToolGuard:
         if responses and context is not None:
             items = _require().ItemHelpers.input_to_new_input_list(state._original_input)
             self._note(context, responses[-1], started_from=len(items))
-
-    def approval_hash(self, tool: str, args: Any) -> str:
-        """The keyed hash an approval of ``tool`` called with ``args`` must name.
-
-        Keyed with the ledger's current secret (an unkeyed hash of arguments is a
-        dictionary oracle); equal arguments in any order hash alike.
-        """
-        keyring = self.ledger.keyring
-        canonical = canonical_args({"tool": tool, "args": args}, self.ledger.codec)
-        return keyring.fingerprint(keyring.current_id, canonical)
 
     def approve(self, state: Any, item: Any, args_hash: str) -> None:
         """Approve an interruption for exactly the arguments the approver was shown.
@@ -228,50 +201,7 @@ class AgentsToolGuard:
         from is preserved. The tool's arguments and result must be encodable by the
         ledger's codec (JSON-like values).
         """
-        sig = inspect.signature(fn)
-        params = list(sig.parameters)
-        if not params:
-            raise ConfigurationError(
-                f"{fn.__name__}: a guarded tool takes the ToolContext as its first parameter"
-            )
-
-        def prepare(ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-            bound = sig.bind(ctx, *args, **kwargs)
-            bound.apply_defaults()
-            call_args = dict(bound.arguments)
-            call_args.pop(params[0])
-            return call_args
-
-        if inspect.iscoroutinefunction(fn):
-            afn = cast(Callable[..., Awaitable[Any]], fn)
-
-            @functools.wraps(fn)
-            async def awrapper(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-                tool_args = prepare(ctx, args, kwargs)
-                guarded = self._guarded(ctx, tool_args)
-
-                async def act(tool_args: dict[str, Any]) -> Any:
-                    return await afn(ctx, *args, **kwargs)
-
-                run_id, step_id = self.position(ctx)
-                with step(run_id, step_id, tenant=self.tenant):
-                    return await guarded(act)(tool_args)
-
-            return cast(Callable[Concatenate[C, P], R], awrapper)
-
-        @functools.wraps(fn)
-        def wrapper(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-            tool_args = prepare(ctx, args, kwargs)
-            guarded = self._guarded(ctx, tool_args)
-
-            def act(tool_args: dict[str, Any]) -> Any:
-                return fn(ctx, *args, **kwargs)
-
-            run_id, step_id = self.position(ctx)
-            with step(run_id, step_id, tenant=self.tenant):
-                return guarded(act)(tool_args)
-
-        return cast(Callable[Concatenate[C, P], R], wrapper)
+        return self._wrap_tool(fn, "ToolContext")
 
     def function_tool(self, fn: Callable[..., Any], **options: Any) -> Any:
         """``agents.function_tool(self.tool(fn), **options)``, with a failure function that
@@ -315,9 +245,7 @@ class AgentsToolGuard:
             while len(self._places) > _REMEMBERED:
                 self._places.popitem(last=False)
 
-    def _guarded(
-        self, ctx: Any, tool_args: dict[str, Any]
-    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def _guarded(self, ctx: Any, tool_args: dict[str, Any]) -> Guarded:
         """The tool call's guard; refuses a call approved for other arguments."""
         name = str(ctx.tool_name)
         policy = self.policy(name)
@@ -325,12 +253,4 @@ class AgentsToolGuard:
             approved = self._approved.get(ctx.tool_call_id)
         if approved is not None and approved != self.approval_hash(name, tool_args):
             raise ApprovalMismatch(name, str(ctx.tool_call_id))
-        return guard(
-            self.ledger,
-            effect=policy.effect or f"{name}@1",
-            provider_class=policy.provider_class,
-            window_s=policy.window_s,
-            retry=policy.retry,
-            classify=policy.classify,
-            probe=policy.probe,
-        )
+        return policy_guard(self.ledger, policy, name, policy.classify)

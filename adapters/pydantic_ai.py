@@ -35,17 +35,13 @@ Pydantic AI is imported lazily: this module imports without the
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+from collections.abc import Callable, Mapping
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from onceonly.checkpoint.errors import ConfigurationError
 from onceonly.ledger import Ledger
-from onceonly.ledger.keys import canonical_args
 
-from .context import step
-from .guard import guard
+from ._tool_calls import Guarded, SDKToolGuard, policy_guard, require
 from .langgraph import ToolPolicy
 
 __all__ = ["PydanticAIToolGuard"]
@@ -56,16 +52,10 @@ C = TypeVar("C")
 
 
 def _require() -> Any:
-    try:
-        import pydantic_ai  # noqa: PLC0415  (the optional extra)
-    except ImportError as exc:  # pragma: no cover  (the extra is installed in CI)
-        raise ImportError(
-            "guarding Pydantic AI tools needs the extra: pip install 'onceonly[pydantic-ai]'"
-        ) from exc
-    return pydantic_ai
+    return require("pydantic_ai", "Pydantic AI", "pydantic-ai")
 
 
-class PydanticAIToolGuard:
+class PydanticAIToolGuard(SDKToolGuard):
     """Guards the tools of Pydantic AI agents (see the module docstring).
 
     Example::
@@ -92,14 +82,7 @@ class PydanticAIToolGuard:
         default: ToolPolicy | None = None,
         tenant: str = "",
     ) -> None:
-        self.ledger = ledger
-        self.policies = dict(policies or {})
-        self.default = default or ToolPolicy()
-        self.tenant = tenant
-
-    def policy(self, tool: str) -> ToolPolicy:
-        """The policy of ``tool``."""
-        return self.policies.get(tool, self.default)
+        super().__init__(ledger, policies=policies, default=default or ToolPolicy(), tenant=tenant)
 
     def position(self, ctx: Any) -> tuple[str, str]:
         """The ``(run_id, step_id)`` a tool call's key is derived from: the conversation,
@@ -131,16 +114,6 @@ class PydanticAIToolGuard:
             f"run's messages: a guarded tool must be called by the agent, not directly"
         )
 
-    def approval_hash(self, tool: str, args: Any) -> str:
-        """The keyed hash an approval of ``tool`` called with ``args`` must name.
-
-        Keyed with the ledger's current secret (an unkeyed hash of arguments is a
-        dictionary oracle); equal arguments in any order hash alike.
-        """
-        keyring = self.ledger.keyring
-        canonical = canonical_args({"tool": tool, "args": args}, self.ledger.codec)
-        return keyring.fingerprint(keyring.current_id, canonical)
-
     def tool(self, fn: Callable[Concatenate[C, P], R]) -> Callable[Concatenate[C, P], R]:
         """Guard a tool function whose first parameter is the ``RunContext``.
 
@@ -149,54 +122,9 @@ class PydanticAIToolGuard:
         arguments and its result must be encodable by the ledger's codec (JSON-like
         values).
         """
-        sig = inspect.signature(fn)
-        params = list(sig.parameters)
-        if not params:
-            raise ConfigurationError(
-                f"{fn.__name__}: a guarded tool takes the RunContext as its first parameter"
-            )
+        return self._wrap_tool(fn, "RunContext")
 
-        def prepare(ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-            bound = sig.bind(ctx, *args, **kwargs)
-            bound.apply_defaults()
-            call_args = dict(bound.arguments)
-            call_args.pop(params[0])
-            return call_args
-
-        if inspect.iscoroutinefunction(fn):
-            afn = cast(Callable[..., Awaitable[Any]], fn)
-
-            @functools.wraps(fn)
-            async def awrapper(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-                tool_args = prepare(ctx, args, kwargs)
-                guarded = self._guarded(ctx, tool_args)
-
-                async def act(tool_args: dict[str, Any]) -> Any:
-                    return await afn(ctx, *args, **kwargs)
-
-                run_id, step_id = self.position(ctx)
-                with step(run_id, step_id, tenant=self.tenant):
-                    return await guarded(act)(tool_args)
-
-            return cast(Callable[Concatenate[C, P], R], awrapper)
-
-        @functools.wraps(fn)
-        def wrapper(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-            tool_args = prepare(ctx, args, kwargs)
-            guarded = self._guarded(ctx, tool_args)
-
-            def act(tool_args: dict[str, Any]) -> Any:
-                return fn(ctx, *args, **kwargs)
-
-            run_id, step_id = self.position(ctx)
-            with step(run_id, step_id, tenant=self.tenant):
-                return guarded(act)(tool_args)
-
-        return cast(Callable[Concatenate[C, P], R], wrapper)
-
-    def _guarded(
-        self, ctx: Any, tool_args: dict[str, Any]
-    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def _guarded(self, ctx: Any, tool_args: dict[str, Any]) -> Guarded:
         """The tool call's guard; raises ``ApprovalRequired`` first when the call
         needs an approval of exactly these arguments that it does not have."""
         name = str(ctx.tool_name)
@@ -208,12 +136,4 @@ class PydanticAIToolGuard:
                 raise _require().ApprovalRequired(
                     metadata={"kind": "onceonly.approval", "tool": name, "args_hash": digest}
                 )
-        return guard(
-            self.ledger,
-            effect=policy.effect or f"{name}@1",
-            provider_class=policy.provider_class,
-            window_s=policy.window_s,
-            retry=policy.retry,
-            classify=policy.classify,
-            probe=policy.probe,
-        )
+        return policy_guard(self.ledger, policy, name, policy.classify)

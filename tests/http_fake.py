@@ -25,9 +25,11 @@ connection is refused (nothing is sent).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,3 +193,13 @@ class FakeProvider:
         if fault == "cut":
             return cut_response()
         return answer(201, response)
+
+
+@contextlib.contextmanager
+def running(provider: FakeProvider) -> Iterator[FakeProvider]:
+    """Serve ``provider`` for the block, then stop it."""
+    try:
+        provider.start()
+        yield provider
+    finally:
+        provider.stop()

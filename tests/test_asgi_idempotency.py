@@ -25,7 +25,7 @@ from onceonly.checkpoint.errors import ConfigurationError
 from onceonly.ledger import Ledger
 from onceonly.testing.servers import AppServer, ProcessServer, free_port
 from tests.asgi_service import build_app, client_of, open_ledger
-from tests.http_fake import FakeProvider
+from tests.http_fake import FakeProvider, running
 from tests.ledger_support import all_values
 
 ORDER = {"item": "espresso machine", "qty": 1}
@@ -35,12 +35,8 @@ ORDER = {"item": "espresso machine", "qty": 1}
 def provider() -> Iterator[FakeProvider]:
     """The external provider the service places orders with (one per module; each test
     counts from where it starts)."""
-    fake = FakeProvider(dedup=False, require_key=False)
-    fake.start()
-    try:
+    with running(FakeProvider(dedup=False, require_key=False)) as fake:
         yield fake
-    finally:
-        fake.stop()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ or needs-human; and a restarted process (a fresh Ledger) replays without sending
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,22 +19,12 @@ from onceonly.adapters import RetryPolicy, step
 from onceonly.adapters.http import AsyncGuardedHTTP, GuardedHTTP, HTTPRejected
 from onceonly.checkpoint import ConfigurationError, Store
 from onceonly.ledger import EffectFailed, EffectInDoubt, EffectStatus, KeyReuseError, Ledger
-from tests.http_fake import FakeProvider
+from tests.http_fake import FakeProvider, running
 from tests.ledger_support import Clock, Ledgers
 
 TIMEOUT = httpx.Timeout(5.0, read=0.2)
 RETRY = RetryPolicy(max_attempts=4, initial_s=0.0)
 WINDOW_S = 3600.0
-
-
-@contextlib.contextmanager
-def running(provider: FakeProvider) -> Iterator[FakeProvider]:
-    """Serve ``provider`` for the block, then stop it."""
-    try:
-        provider.start()
-        yield provider
-    finally:
-        provider.stop()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ once, without it twice (the positive control).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ from onceonly.ledger import (
     Ledger,
     OutcomeClass,
 )
-from tests.http_fake import FakeProvider
+from tests.http_fake import FakeProvider, running
 from tests.langgraph_graph import NOTIFY, Tools, build, tool_messages
 from tests.ledger_support import Ledgers
 
@@ -45,15 +44,6 @@ START: Any = {"messages": [("user", "Book room r-12 and tell the guest")]}
 
 def config(thread: str) -> Any:
     return {"configurable": {"thread_id": thread}}
-
-
-@contextlib.contextmanager
-def running(provider: FakeProvider) -> Iterator[FakeProvider]:
-    try:
-        provider.start()
-        yield provider
-    finally:
-        provider.stop()
 
 
 @pytest.fixture

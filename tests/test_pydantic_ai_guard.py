@@ -32,26 +32,15 @@ from onceonly.adapters.pydantic_ai import PydanticAIToolGuard
 from onceonly.checkpoint.errors import ConfigurationError
 from onceonly.checkpoint.failpoints import armed
 from onceonly.ledger import EffectInDoubt, Ledger
-from tests.http_fake import FakeProvider
+from tests.agent_sdk_support import Killed, ModelDown
+from tests.http_fake import FakeProvider, running
 from tests.ledger_support import Ledgers
-
-
-class ModelDown(Exception):
-    """The model provider failed after the tool ran (the process died there)."""
-
-
-class Killed(BaseException):
-    """The process died at a failpoint."""
 
 
 @pytest.fixture(scope="module")
 def provider() -> Iterator[FakeProvider]:
-    fake = FakeProvider(dedup=False, require_key=False)
-    fake.start()
-    try:
+    with running(FakeProvider(dedup=False, require_key=False)) as fake:
         yield fake
-    finally:
-        fake.stop()
 
 
 def script(calls: list[dict[str, Any]], *, fail_after_tools: bool = False) -> FunctionModel:

@@ -9,7 +9,7 @@ import math
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 from starlette.applications import Starlette
@@ -77,6 +77,8 @@ class Item:
         """What a batch form's checkbox carries: the item and the hash it binds to."""
         return json.dumps([self.run_id, self.name, self.instance, self.subject_hash])
 
+
+T = TypeVar("T")
 
 _Page = Callable[[Request, User], Awaitable[Response]]
 _Action = Callable[[Request, User, dict[str, Any]], Awaitable[Response]]
@@ -290,6 +292,32 @@ def build(
         return wrap
 
     # -- the data ----------------------------------------------------------------------
+    def wait_item(
+        w: Wait,
+        run_id: str,
+        flow: str,
+        name: str,
+        instance: int,
+        *,
+        may_decide: bool = True,
+        snoozed_until: float | None = None,
+    ) -> Item:
+        """The approval ``w`` as the inbox shows it."""
+        return Item(
+            run_id,
+            flow,
+            name,
+            instance,
+            readable(codec, w.subject),
+            w.subject_hash or "",
+            w.requested_by,
+            w.created_at,
+            w.due_at,
+            w.allow_self,
+            may_decide=may_decide,
+            snoozed_until=snoozed_until,
+        )
+
     def inbox_items(
         user: User, filters: Mapping[str, str], show_snoozed: bool, page: int | None
     ) -> tuple[list[Item], int, int, int]:
@@ -309,11 +337,7 @@ def build(
                 limit=config.page_size,
             )
 
-        # one query for the page asked (a page past the end: the last page, again)
-        rows, total = query((max(1, page or 1) - 1) * config.page_size)
-        pg, count, offset = _queries.pages(total, config.page_size, page)
-        if not rows and total:
-            rows, total = query(offset)
+        rows, pg, count, total = _page_of(query, config.page_size, page)
         snoozes = accounts.snoozes() if show_snoozed else {}
         out: list[Item] = []
         for run_id, name, instance, flow in rows:
@@ -325,17 +349,12 @@ def build(
                 continue
             sz = snoozes.get((run_id, name, instance))
             out.append(
-                Item(
+                wait_item(
+                    w,
                     run_id,
                     flow,
                     name,
                     instance,
-                    readable(codec, w.subject),
-                    w.subject_hash or "",
-                    w.requested_by,
-                    w.created_at,
-                    w.due_at,
-                    w.allow_self,
                     may_decide=user.may_decide(flow, name),
                     snoozed_until=None if sz is None else sz.until,
                 )
@@ -553,20 +572,7 @@ def build(
         w = op.waits.get(run_id, name)
         if w.kind is not WaitKind.APPROVAL or w.status is not WaitStatus.OPEN:
             raise _Denied(409, f"{name!r} of run {run_id!r} is not an open approval")
-        return Item(
-            run_id,
-            run.flow,
-            name,
-            w.instance,
-            readable(codec, w.subject),
-            w.subject_hash or "",
-            w.requested_by,
-            w.created_at,
-            w.due_at,
-            w.allow_self,
-            may_decide=True,
-            snoozed_until=None,
-        )
+        return wait_item(w, run_id, run.flow, name, w.instance)
 
     @page(Role.APPROVER)
     async def edit_page(request: Request, user: User) -> Response:
@@ -639,10 +645,7 @@ def build(
                     limit=config.page_size,
                 )
 
-            ids, total = query((max(1, asked or 1) - 1) * config.page_size)
-            pg, count, offset = _queries.pages(total, config.page_size, asked)
-            if not ids and total:
-                ids, total = query(offset)
+            ids, pg, count, total = _page_of(query, config.page_size, asked)
             shown = []
             for rid in ids:
                 with contextlib.suppress(NotFound):  # removed since the query
@@ -765,10 +768,7 @@ def build(
         def query(offset: int) -> tuple[list[str], int]:
             return _queries.in_doubt_keys(op.store, now=clock(), offset=offset, limit=size)
 
-        keys, total = query((max(1, page or 1) - 1) * size)
-        pg, count, offset = _queries.pages(total, size, page)
-        if not keys and total:
-            keys, total = query(offset)
+        keys, pg, count, total = _page_of(query, size, page)
         rows = []
         for key in keys:
             with contextlib.suppress(OnceOnlyError):  # removed or settled since the query
@@ -833,20 +833,7 @@ def build(
                 "the request changed since this link was sent: the link is void; "
                 "look at the request in the console's inbox",
             )
-        item = Item(
-            w.run_id,
-            run.flow,
-            w.name,
-            w.instance,
-            readable(codec, w.subject),
-            w.subject_hash or "",
-            w.requested_by,
-            w.created_at,
-            w.due_at,
-            w.allow_self,
-            may_decide=True,
-            snoozed_until=None,
-        )
+        item = wait_item(w, w.run_id, run.flow, w.name, w.instance)
         return link, approver, item, w
 
     async def link_page(request: Request) -> Response:
@@ -1056,6 +1043,18 @@ def build(
 
 
 # -- helpers -----------------------------------------------------------------------------
+
+
+def _page_of(
+    query: Callable[[int], tuple[list[T], int]], size: int, asked: int | None
+) -> tuple[list[T], int, int, int]:
+    """Page ``asked`` of ``query(offset) -> (rows, total)``: its rows, the page, the pages,
+    the total. One query for the page asked (a page past the end: the last page, again)."""
+    rows, total = query((max(1, asked or 1) - 1) * size)
+    pg, count, offset = _queries.pages(total, size, asked)
+    if not rows and total:
+        rows, total = query(offset)
+    return rows, pg, count, total
 
 
 def _json_error(status: int, code: str, message: str) -> JSONResponse:
