@@ -1,14 +1,16 @@
 """The operator console over HTTP (Starlette's TestClient), on SQLite and PostgreSQL:
 who may do what (every route x every role), CSRF, hostile values rendered inert, the
 approvals inbox (approve, reject, batch, snooze, decided elsewhere, self-approval, one
-flow's approver denied another's), the run page and its actions, effects in doubt, and
-the JSON API with bearer tokens.
+flow's approver denied another's), the run page and its actions (an upgrade to the
+deployed version of a flow among them), effects in doubt, and the JSON API with bearer
+tokens.
 
 Runs are driven in-process as a worker would (``Runtime.drive``); the oracle for
 "happened once" is the fake provider's outbox (``tests/operator_flows.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import email
 import email.policy
 import html
@@ -32,10 +34,13 @@ from onceonly.console import (
     link_key,
     session_key,
 )
+from onceonly.flow import Flow
 from onceonly.ledger import Keyring
+from onceonly.runtime import Runtime
 from tests.console_support import USERS, Console, close, csrf_of, make_console
 from tests.ledger_support import K1
 from tests.mail_fakes import MailDevel
+from tests.version_flows import V1, V2, V3, deliveries
 
 ROLES = ("viewer", "approver", "operator", "admin")
 RANK = {r: i for i, r in enumerate(ROLES)}
@@ -106,6 +111,7 @@ def _routes(con: Console, rid: str, key: str) -> list[tuple[str, str, str, dict[
         ("POST", f"/runs/{rid}/fork", "operator", {}),
         ("POST", f"/runs/{rid}/edit", "operator", {}),
         ("POST", f"/runs/{rid}/restart", "operator", {}),
+        ("POST", f"/runs/{rid}/upgrade", "operator", {}),
         ("POST", f"/effects/{key}/resolve", "operator", {}),
     ]
 
@@ -125,6 +131,7 @@ def _api_routes(rid: str, key: str) -> list[tuple[str, str, str]]:
         ("POST", f"/api/runs/{rid}/fork", "operator"),
         ("POST", f"/api/runs/{rid}/edit", "operator"),
         ("POST", f"/api/runs/{rid}/restart", "operator"),
+        ("POST", f"/api/runs/{rid}/upgrade", "operator"),
         ("POST", f"/api/effects/{key}/resolve", "operator"),
     ]
 
@@ -149,7 +156,7 @@ def test_every_route_for_every_role(con: Console) -> None:
             assert (r.status_code == 403) is not allowed, (role, method, path, r.status_code)
             assert r.status_code < 500, (role, path, r.text[:500])
             checked += 1
-    assert checked == 4 * 29
+    assert checked == 4 * 31
     # nothing above decided or changed the run: every allowed POST lacked what it needs
     assert con.op.waits.get(rid, "send").status is WaitStatus.OPEN
     assert con.store.get_run(rid).status is RunStatus.WAITING
@@ -600,6 +607,139 @@ def test_run_page_shows_the_run_and_actions_need_confirmation(con: Console) -> N
     # no worker has announced itself: every waiting run is unserved, and shown so
     assert "unserved" in otto.get(f"/runs/{forked}").text
     assert forked in otto.get("/runs?unserved=1").text
+
+
+# -- upgrades ------------------------------------------------------------------------------
+
+
+def _deployed(con: Console, *flows: Flow) -> Console:
+    """The console of ``con``'s database started with ``--flows`` naming ``flows``."""
+    config = ConsoleConfig(session_key=session_key(Keyring([K1])))
+    app = create_app(con.op, config, accounts=con.accounts, clock=con.clock, flows=flows)
+    return dataclasses.replace(con, app=app)
+
+
+def _shipping(con: Console, tmp_path: Path, run_id: str = "s1") -> tuple[str, Path]:
+    """A run of version 1 of ``ship``: prepared (one delivery), waiting for ``go`` to
+    send; and its outbox."""
+    outbox = tmp_path / f"ship-{run_id}"
+    rt = Runtime(con.runtime.store, con.runtime.ledger, [V1], owner="w1")
+    rid = rt.start("ship", {"outbox": str(outbox)}, run_id=run_id)
+    assert rt.drive(rid).status is RunStatus.WAITING
+    return rid, outbox
+
+
+def test_an_upgrade_from_the_run_page_maps_the_renamed_step_and_sends_each_effect_once(
+    con: Console, tmp_path: Path
+) -> None:
+    rid, outbox = _shipping(con, tmp_path)
+    up = _deployed(con, V2)  # `onceonly console --flows tests.version_flows:V2`
+    form = {"to": "2", "reason": "retire version 1", "confirm": "yes"}
+    for user in ("vera", "abe"):  # a viewer and an approver: no form, and denied
+        c = up.client(user)
+        assert "Upgrade to version" not in c.get(f"/runs/{rid}").text
+        r = c.post(f"/runs/{rid}/upgrade", data={**form, "csrf": csrf_of(c, "/inbox")})
+        assert r.status_code == 403, user
+        assert "operator role" in r.text
+        assert up.api(user).post(f"/api/runs/{rid}/upgrade", json=form).status_code == 403
+    assert con.store.get_run(rid).code_version == "1"
+    otto = up.client("otto")
+    assert "Upgrade to version 2" in otto.get(f"/runs/{rid}").text
+    token = csrf_of(otto, "/inbox")
+    r = otto.post(f"/runs/{rid}/upgrade", data={**form, "csrf": token, "confirm": ""})
+    assert r.status_code == 400  # no confirmation: nothing done
+    assert con.store.get_run(rid).code_version == "1"
+    r = otto.post(f"/runs/{rid}/upgrade", data={**form, "csrf": token})
+    assert r.status_code == 303
+    page = html.unescape(otto.get(r.headers["location"]).text)
+    assert "upgrade: from version 1 to 2" in page
+    assert "The run is on the deployed version of its flow (2)" in page
+    assert "Upgrade to version" not in page
+    assert "operator:upgrade" in page  # in the operator log, with the reason
+    assert "retire version 1" in page
+    run = con.store.get_run(rid)
+    assert (run.code_version, run.status) == ("2", RunStatus.WAITING)
+    meta = con.op.show(rid).meta
+    assert meta["waiting"]["then"] == "deliver"  # the renamed step, mapped
+    (entry,) = [e for e in meta["operator_log"] if e["action"] == "operator:upgrade"]
+    assert (entry["by"], entry["from"], entry["to"], entry["steps"]) == (
+        "otto",
+        "1",
+        "2",
+        {"send": "deliver"},
+    )
+    # a worker of version 2 drives it to its end: each effect delivered once
+    con.op.signal(rid, "go", actor="otto")
+    v2 = Runtime(con.runtime.store, con.runtime.ledger, [V2], owner="w2")
+    assert v2.drive(rid).status is RunStatus.COMPLETED
+    got = [(d["what"], d["version"]) for d in deliveries(outbox)]
+    assert got == [("prepare", "1"), ("send", "2")]
+    assert con.op.ledger.verify().ok
+
+
+def test_a_refused_upgrade_changes_nothing_and_the_page_says_why(
+    con: Console, tmp_path: Path
+) -> None:
+    rid, outbox = _shipping(con, tmp_path)
+    history = len(con.store.history(rid))
+    # without --flows: the page says the command line does upgrades
+    otto = con.client("otto")
+    page = html.unescape(otto.get(f"/runs/{rid}").text)
+    assert "started without flow code" in page
+    assert "onceonly runs upgrade" in page
+    form = {"to": "2", "reason": "retire version 1", "confirm": "yes"}
+    r = otto.post(f"/runs/{rid}/upgrade", data={**form, "csrf": csrf_of(otto, "/inbox")})
+    assert r.status_code == 409
+    assert "started without flow code" in r.text
+    # version 3 renamed `send` without mapping version 1's runs onto it: refused
+    up = _deployed(con, V3)
+    otto = up.client("otto")
+    assert "Upgrade to version 3" in otto.get(f"/runs/{rid}").text
+    token = csrf_of(otto, "/inbox")
+    r = otto.post(f"/runs/{rid}/upgrade", data={**form, "csrf": token})
+    assert r.status_code == 409  # a page from another deployment: not version 3
+    assert "version '3' of 'ship', not '2'" in html.unescape(r.text)
+    r = otto.post(f"/runs/{rid}/upgrade", data={**form, "to": "3", "csrf": token})
+    assert r.status_code == 409
+    page = html.unescape(r.text)
+    assert f"run {rid!r} is not upgraded: version '3' of 'ship' has no step 'send'" in page
+    assert "Nothing was changed" in page
+    assert f"Run <code>{rid}</code>" in page  # on the run's own page
+    api = up.api("otto").post(
+        f"/api/runs/{rid}/upgrade", json={"to": "3", "reason": "retire version 1"}
+    )
+    assert api.status_code == 409
+    assert api.json()["error"] == "UpgradeRefused"
+    assert "has no step 'send'" in api.json()["message"]
+    run = con.store.get_run(rid)
+    assert (run.code_version, run.status, run.lease_owner) == ("1", RunStatus.WAITING, None)
+    assert len(con.store.history(rid)) == history
+    assert not con.op.show(rid).meta.get("operator_log")
+    assert [d["what"] for d in deliveries(outbox)] == ["prepare"]
+
+
+def test_the_api_upgrades_a_run(con: Console, tmp_path: Path) -> None:
+    rid, _outbox = _shipping(con, tmp_path)
+    api = _deployed(con, V2).api("ada")
+    assert api.post(f"/api/runs/{rid}/upgrade", json={"to": "2"}).status_code == 400
+    assert api.post(f"/api/runs/{rid}/upgrade", json={"reason": "r"}).status_code == 400
+    r = api.post(f"/api/runs/{rid}/upgrade", json={"to": "2", "reason": "retire version 1"})
+    assert r.status_code == 200
+    assert (r.json()["from"], r.json()["to"], r.json()["status"]) == ("1", "2", "waiting")
+    assert con.op.show(rid).meta["operator_log"][-1]["by"] == "ada"
+
+
+def test_console_flows_are_checked_as_a_workers_are(con: Console) -> None:
+    from click.testing import CliRunner
+
+    from onceonly.checkpoint import ConfigurationError
+    from onceonly.cli import cli
+
+    with pytest.raises(ConfigurationError, match="given twice"):
+        _deployed(con, V1, V2)
+    r = CliRunner().invoke(cli, ["console", "--flows", "no_such_module:X", "--url", con.url])
+    assert isinstance(r.exception, ConfigurationError)
+    assert "no_such_module" in str(r.exception)
 
 
 def test_effects_in_doubt_are_queued_and_resolved_with_evidence(con: Console) -> None:

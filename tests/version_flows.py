@@ -3,7 +3,8 @@
 
 ``ship`` prepares (a guarded delivery), waits for the signal ``go``, then sends (a
 second guarded delivery). Version 2 renamed ``send`` to ``deliver`` and maps version 1's
-runs onto it for ``onceonly runs upgrade``; it does not serve version 1 itself.
+runs onto it for ``onceonly runs upgrade``; it does not serve version 1 itself. Version 3
+has the same steps but no such mapping: an upgrade of a version 1 run to it is refused.
 
 Each delivery is a raw line appended to the run's ``outbox`` file (the fake provider,
 ``O_APPEND``): the effect, the code version and the worker process that sent it.
@@ -20,10 +21,11 @@ from onceonly.context import StepContext
 from onceonly.flow import Flow, Transition
 from tests.operator_flows import deliveries  # the same raw outbox lines
 
-__all__ = ["V1", "V2", "deliveries"]
+__all__ = ["V1", "V2", "V3", "deliveries"]
 
 V1 = Flow("ship", version="1")
 V2 = Flow("ship", version="2", upgrades={"1": {"send": "deliver"}})
+V3 = Flow("ship", version="3")  # ``send`` renamed, version 1's runs not mapped
 
 
 def _deliver(outbox: str, what: str, version: str) -> dict[str, Any]:
@@ -57,3 +59,5 @@ V1.step(name="prepare", start=True)(_prepare("1"))
 V1.step(name="send")(_send("1"))
 V2.step(name="prepare", start=True)(_prepare("2"))
 V2.step(name="deliver")(_send("2"))
+V3.step(name="prepare", start=True)(_prepare("3"))
+V3.step(name="deliver")(_send("3"))

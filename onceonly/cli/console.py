@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import ipaddress
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from ._common import open_store, operator, url_option
+
+if TYPE_CHECKING:
+    from onceonly.flow import Flow
 
 __all__ = ["console", "is_loopback", "read_password"]
 
@@ -57,6 +61,14 @@ def read_password() -> str:
     help="SSO: a client address the identity header is accepted from (repeatable).",
 )
 @click.option("--secure-cookies", is_flag=True, help="Mark cookies Secure (served over TLS).")
+@click.option(
+    "--flows",
+    "flows_specs",
+    multiple=True,
+    metavar="MODULE:ATTR",
+    help="The deployed Flow(s), as the worker takes them: runs of another version are "
+    "offered an upgrade to theirs (repeatable).",
+)
 @click.pass_context
 def console(
     ctx: click.Context,
@@ -67,12 +79,15 @@ def console(
     trusted_header: str | None,
     trusted_proxies: tuple[str, ...],
     secure_cookies: bool,
+    flows_specs: tuple[str, ...],
 ) -> None:
     """Serve the operator console (approvals inbox, runs, effects in doubt).
 
     It listens on 127.0.0.1 unless --host names another address and --allow-remote is
     given; then TLS belongs in front of it (a reverse proxy). Sign in with a user added
     by `onceonly console user add`. Needs $ONCEONLY_SECRETS (it acts as the operators).
+    With --flows, a run page offers to upgrade a run of another version of a flow to the
+    deployed one (as `onceonly runs upgrade` does); without, upgrades are done there.
     """
     if ctx.invoked_subcommand is not None:
         ctx.obj = url
@@ -83,7 +98,10 @@ def console(
         raise RemoteBindRefused(host)
     if trusted_header and not trusted_proxies:
         raise click.UsageError("--trusted-header needs --trusted-proxy ADDR (the proxy's)")
-    _serve(url, host, port, trusted_header, trusted_proxies, secure_cookies)
+    from . import load_flows  # noqa: PLC0415  (imports the deployment's code)
+
+    flows = [f for spec in flows_specs for f in load_flows(spec)]
+    _serve(url, host, port, trusted_header, trusted_proxies, secure_cookies, flows)
 
 
 def _serve(
@@ -93,6 +111,7 @@ def _serve(
     trusted_header: str | None,
     trusted_proxies: tuple[str, ...],
     secure_cookies: bool,
+    flows: list[Flow],
 ) -> None:
     import socket  # noqa: PLC0415
 
@@ -110,6 +129,7 @@ def _serve(
                 trusted_proxies=frozenset(trusted_proxies),
                 secure_cookies=secure_cookies,
             ),
+            flows=flows,
         )
         import uvicorn  # noqa: PLC0415
 

@@ -25,13 +25,15 @@ from onceonly.checkpoint import (
     ConfigurationError,
     NotFound,
     OnceOnlyError,
+    Run,
     RunStatus,
     Wait,
     WaitKind,
     WaitRefused,
     WaitStatus,
 )
-from onceonly.errors import RunError
+from onceonly.errors import RunError, UpgradeRefused
+from onceonly.flow import Flow
 from onceonly.operator import Operator
 
 from . import _queries, _session
@@ -80,6 +82,30 @@ class Item:
 
 T = TypeVar("T")
 
+
+@dataclass(frozen=True)
+class Upgrade:
+    """What a run page offers to move the run to: the deployed version of its flow.
+
+    Attributes:
+        target: The version offered (None: no upgrade offered).
+        note: Why none is offered ("" when one is, or when there is nothing to say).
+        refused: Why the upgrade just asked for was refused ("" if none was).
+    """
+
+    target: str | None
+    note: str = ""
+    refused: str = ""
+
+
+#: What the run page and a refused request say when the console has no flow code.
+NO_FLOW_CODE = (
+    "This console was started without flow code, so upgrades are done with the command "
+    "line: onceonly runs upgrade RUN --to VERSION --flows MODULE:ATTR --reason TEXT "
+    "(or start the console with --flows MODULE:ATTR)."
+)
+
+
 _Page = Callable[[Request, User], Awaitable[Response]]
 _Action = Callable[[Request, User, dict[str, Any]], Awaitable[Response]]
 _Api = Callable[[Request, User, dict[str, Any]], Awaitable[Any]]
@@ -93,9 +119,14 @@ class _Denied(Exception):
 
 
 def build(
-    op: Operator, accounts: Accounts, config: ConsoleConfig, clock: Callable[[], float]
+    op: Operator,
+    accounts: Accounts,
+    config: ConsoleConfig,
+    clock: Callable[[], float],
+    flows: Mapping[str, Flow],
 ) -> Starlette:
-    """The Starlette app (see :func:`onceonly.console.create_app`)."""
+    """The Starlette app (see :func:`onceonly.console.create_app`); ``flows``: the
+    deployed flows by name (runs of other versions are offered an upgrade to them)."""
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("onceonly.console", "templates"),
         autoescape=True,
@@ -718,7 +749,8 @@ def build(
         run_id = request.path_params["run_id"]
         verify = request.query_params.get("verify") == "1"
         detail = await run_in_threadpool(run_detail, run_id, verify)
-        return render(request, "run.html", user, **detail)
+        offer = upgrade_offer(detail["view"].run)
+        return render(request, "run.html", user, upgrade=offer, **detail)
 
     def confirmed(form: Mapping[str, Any]) -> str:
         if form.get("confirm") != "yes":
@@ -760,6 +792,64 @@ def build(
         else:
             raise _Denied(404, f"no action {what!r}")
         return back(f"/runs/{urllib.parse.quote(target)}", msg=f"{what}: done")
+
+    # -- upgrades: a run moved to the deployed version of its flow -------------------------
+    def upgrade_offer(run: Run, refused: str = "") -> Upgrade:
+        if not flows:
+            return Upgrade(None, NO_FLOW_CODE, refused)
+        flow = flows.get(run.flow)
+        if flow is None:
+            note = (
+                f"This console's flow code has no flow {run.flow!r}: upgrade this run with "
+                "onceonly runs upgrade."
+            )
+            return Upgrade(None, note, refused)
+        if flow.version == run.code_version:
+            note = f"The run is on the deployed version of its flow ({flow.version})."
+        elif run.status in (RunStatus.COMPLETED, RunStatus.CANCELLED):
+            note = f"The run is {run.status.value}: it stays on version {run.code_version}."
+        else:
+            return Upgrade(flow.version, "", refused)
+        return Upgrade(None, note, refused)
+
+    def upgrade_run(user: User, run_id: str, to: str, reason: str) -> tuple[str, Run]:
+        """Move the run to version ``to`` (the version the page offered: the deployed
+        one, or refused); ``(its version before, the run)``."""
+        run = op.store.get_run(run_id)
+        if not flows:
+            raise _Denied(409, NO_FLOW_CODE)
+        flow = flows.get(run.flow)
+        if flow is None:
+            raise _Denied(409, f"this console's flow code has no flow {run.flow!r}")
+        if not to:
+            raise _Denied(400, "say which version to move the run to")
+        if flow.version != to:
+            raise _Denied(
+                409,
+                f"this console's code is version {flow.version!r} of {run.flow!r}, not "
+                f"{to!r}: look at the run again",
+            )
+        return run.code_version, op.upgrade(run_id, flow, actor=user.name, reason=reason)
+
+    @action(Role.OPERATOR)
+    async def run_upgrade(request: Request, user: User, form: dict[str, Any]) -> Response:
+        run_id = request.path_params["run_id"]
+        reason = confirmed(form)
+        try:
+            before, run = await run_in_threadpool(
+                upgrade_run, user, run_id, str(form.get("to", "")).strip(), reason
+            )
+        except UpgradeRefused as exc:
+            # the run page again, saying why: nothing changed, the operator sees the run
+            detail = await run_in_threadpool(lambda: run_detail(run_id, verify=False))
+            offer = upgrade_offer(detail["view"].run, refused=str(exc))
+            return render(request, "run.html", user, code=409, upgrade=offer, **detail)
+        done = (
+            f"upgrade: from version {before} to {run.code_version}"
+            if before != run.code_version
+            else f"upgrade: the run is on version {run.code_version} already"
+        )
+        return back(f"/runs/{urllib.parse.quote(run_id)}", msg=done)
 
     def in_doubt(page: int | None, size: int) -> tuple[list[Any], int, int, int]:
         """One page of the effects that need a person, oldest first (each read through
@@ -987,6 +1077,17 @@ def build(
             return {"run_id": run_id, "seq": info.seq}
         raise _Denied(404, f"no action {what!r}")
 
+    @api(Role.OPERATOR, post=True)
+    async def api_run_upgrade(request: Request, user: User, body: dict[str, Any]) -> Any:
+        reason = str(body.get("reason") or "").strip()
+        if not reason:
+            raise _Denied(400, "give a reason (it is recorded with your name)")
+        to = str(body.get("to") or "").strip()
+        before, run = await run_in_threadpool(
+            upgrade_run, user, request.path_params["run_id"], to, reason
+        )
+        return {**_run_doc(run), "from": before, "to": run.code_version}
+
     @api(Role.VIEWER, post=False)
     async def api_in_doubt(request: Request, user: User, body: dict[str, Any]) -> Any:
         rows, _pg, _pages, _total = await run_in_threadpool(
@@ -1024,6 +1125,7 @@ def build(
         Route("/inbox/edit", edit_approve, methods=["POST"]),
         Route("/runs", runs_page, methods=["GET"]),
         Route("/runs/{run_id}", run_page, methods=["GET"]),
+        Route("/runs/{run_id}/upgrade", run_upgrade, methods=["POST"]),
         Route("/runs/{run_id}/{what}", run_action, methods=["POST"]),
         Route("/effects", effects_page, methods=["GET"]),
         Route("/effects/{key_id}/resolve", effect_resolve, methods=["POST"]),
@@ -1034,6 +1136,7 @@ def build(
         Route("/api/approvals/{run_id}/{name}/{decision}", api_decide, methods=["POST"]),
         Route("/api/runs", api_runs, methods=["GET"]),
         Route("/api/runs/{run_id}", api_run, methods=["GET"]),
+        Route("/api/runs/{run_id}/upgrade", api_run_upgrade, methods=["POST"]),
         Route("/api/runs/{run_id}/{what}", api_run_action, methods=["POST"]),
         Route("/api/effects/in-doubt", api_in_doubt, methods=["GET"]),
         Route("/api/effects/{key_id}/resolve", api_resolve, methods=["POST"]),

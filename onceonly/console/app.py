@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from .errors import ConsoleError
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
+    from onceonly.flow import Flow
     from onceonly.operator import Operator
 
 __all__ = ["ConsoleConfig", "create_app", "session_key"]
@@ -68,6 +69,7 @@ def create_app(
     *,
     accounts: Accounts | None = None,
     clock: Callable[[], float] = time.time,
+    flows: Iterable[Flow] = (),
 ) -> Starlette:
     """The console as an ASGI app.
 
@@ -77,10 +79,15 @@ def create_app(
         config: Authentication and paging.
         accounts: The accounts (default: on the operator's store, tables created).
         clock: Current UNIX time.
+        flows: The deployed flows (``onceonly console --flows``): a run of an older or
+            newer version of one of them is offered an upgrade to its version. None:
+            upgrades are done with ``onceonly runs upgrade``.
 
     Raises:
         ConsoleError: The console's extra is not installed (one line says what to
             install).
+        ConfigurationError: ``flows`` names a flow twice or an invalid one (checked as
+            a worker checks its flows).
     """
     try:
         from ._routes import build  # noqa: PLC0415  (starlette and jinja2: the extra)
@@ -88,4 +95,9 @@ def create_app(
         raise ConsoleError(
             f"the console needs its extra ({exc.name} is missing): pip install 'onceonly[console]'"
         ) from exc
-    return build(operator, accounts or Accounts(operator.store, clock=clock), config, clock)
+    from onceonly.flow import flow_map  # noqa: PLC0415
+
+    deployed = flow_map(flows)
+    return build(
+        operator, accounts or Accounts(operator.store, clock=clock), config, clock, deployed
+    )
