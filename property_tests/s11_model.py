@@ -454,12 +454,19 @@ class RuntimeModel(RuleBasedStateMachine):
 
     def _cancel(self, rm: RunModel) -> None:
         # Claims granted before the cancel may finish their effect; nothing claimed after.
-        before = frozenset(r.key_id for r in self.op_ledger.effects(run_id=rm.lineage))
+        # The claims are read once the cancel has committed: in the middle of an async
+        # step, the other branches' claims run on the ledger's threads while this one
+        # cancels, and one granted between a read before the cancel and its commit is
+        # rightly granted (deep tier: flagged as "claimed after"). Deliveries are checked
+        # from before the cancel; a claim the fence let through after it is still caught
+        # by the effects the step and the run go on to claim (the planted control).
+        mark = len(self.provider.log)
         try:
             self.operator.cancel(rm.rid, actor="ops", reason="s11")
         except (RunNotResumable, RunNotFound):
             return
-        self.cancel_at.setdefault(rm.rid, (len(self.provider.log), before))
+        granted = frozenset(r.key_id for r in self.op_ledger.effects(run_id=rm.lineage))
+        self.cancel_at.setdefault(rm.rid, (mark, granted))
         self.counts.kinds["cancel"] += 1
 
     def _edit(self, rm: RunModel) -> None:
