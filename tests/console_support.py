@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from argon2 import PasswordHasher
 from starlette.testclient import TestClient
@@ -141,3 +142,10 @@ def close(con: Console) -> None:
     con.runtime.ledger.close()
     con.store.close()
     con.runtime.store.close()
+
+
+def lists(html: str, run_id: str) -> bool:
+    """Whether a page links ``run_id``'s run page (inbox, run list, batch). A bare
+    ``run_id in html`` is no test: a short id also turns up inside the page's random
+    CSRF token now and then."""
+    return f'href="/runs/{quote(run_id, safe="/")}"' in html

@@ -37,7 +37,7 @@ from onceonly.console import (
 from onceonly.flow import Flow
 from onceonly.ledger import Keyring
 from onceonly.runtime import Runtime
-from tests.console_support import USERS, Console, close, csrf_of, make_console
+from tests.console_support import USERS, Console, close, csrf_of, lists, make_console
 from tests.ledger_support import K1
 from tests.mail_fakes import MailDevel
 from tests.version_flows import V1, V2, V3, deliveries
@@ -187,7 +187,7 @@ def test_csrf_missing_wrong_or_from_another_session_is_refused(con: Console) -> 
 def test_a_flows_approver_is_denied_another_flows_items(con: Console) -> None:
     rid = con.publish("r1")
     olga = con.client("olga")  # approver of flow "repair" only
-    assert rid not in olga.get("/inbox").text
+    assert not lists(olga.get("/inbox").text, rid)
     r = olga.post(
         "/inbox/decide",
         data={
@@ -205,7 +205,7 @@ def test_a_flows_approver_is_denied_another_flows_items(con: Console) -> None:
     )
     assert api.status_code == 403
     assert con.op.waits.get(rid, "send").status is WaitStatus.OPEN
-    assert rid in con.client("abe").get("/inbox").text  # publish's approver sees it
+    assert lists(con.client("abe").get("/inbox").text, rid)  # publish's approver sees it
 
 
 # -- the inbox ---------------------------------------------------------------------------------
@@ -349,22 +349,22 @@ def test_snooze_hides_an_approval_until_its_time_and_keeps_it_open(con: Console)
         assert abe.post("/inbox/snooze", data={**form, "hours": bad}).status_code == 400, bad
     r = abe.post("/inbox/snooze", data={**form, "hours": "72"})
     assert r.status_code == 303
-    assert rid not in abe.get("/inbox").text
-    assert rid in abe.get("/inbox?snoozed=1").text
+    assert not lists(abe.get("/inbox").text, rid)
+    assert lists(abe.get("/inbox?snoozed=1").text, rid)
     (snooze,) = con.accounts.snoozes().values()
     assert (snooze.by, snooze.reason) == ("abe", "not now")
     con.clock.advance(72 * 3600 + 1)
-    assert rid in con.client("abe").get("/inbox").text  # (signed in again: 8 h sessions)
+    assert lists(con.client("abe").get("/inbox").text, rid)  # (signed in again: 8 h sessions)
     assert con.op.waits.get(rid, "send").status is WaitStatus.OPEN
 
 
 def test_inbox_filters(con: Console) -> None:
     rid = con.publish("r1")
     otto = con.client("otto")
-    assert rid in otto.get("/inbox?flow=publish&name=send&requester=alice").text
-    assert rid not in otto.get("/inbox?flow=repair").text
-    assert rid not in otto.get("/inbox?requester=bob").text
-    assert rid not in otto.get("/inbox?min_age_h=1").text
+    assert lists(otto.get("/inbox?flow=publish&name=send&requester=alice").text, rid)
+    assert not lists(otto.get("/inbox?flow=repair").text, rid)
+    assert not lists(otto.get("/inbox?requester=bob").text, rid)
+    assert not lists(otto.get("/inbox?min_age_h=1").text, rid)
     con.clock.advance(0)  # ages are by the wait's own creation time
     assert [i["run_id"] for i in con.api("vera").get("/api/approvals?flow=publish").json()] == [rid]
 
@@ -603,10 +603,10 @@ def test_run_page_shows_the_run_and_actions_need_confirmation(con: Console) -> N
     listed = otto.get("/runs?status=cancelled").text
     assert rid in listed
     assert forked not in listed
-    assert rid in otto.get(f"/runs?q={rid[:2]}").text
+    assert lists(otto.get(f"/runs?q={rid[:2]}").text, rid)
     # no worker has announced itself: every waiting run is unserved, and shown so
     assert "unserved" in otto.get(f"/runs/{forked}").text
-    assert forked in otto.get("/runs?unserved=1").text
+    assert lists(otto.get("/runs?unserved=1").text, forked)
 
 
 # -- upgrades ------------------------------------------------------------------------------
