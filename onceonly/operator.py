@@ -31,6 +31,7 @@ from onceonly.checkpoint import (
     StoreError,
     Wait,
     WaitKind,
+    WaitRefused,
     Waits,
     notify_ready,
 )
@@ -215,7 +216,14 @@ class Operator:
         )
         for wait in self.waits.find(status="open"):
             if wait.kind is WaitKind.SIGNAL and wait.name.startswith(f"effect:{key_id[:16]}:"):
-                self.waits.signal(wait.run_id, wait.name, {"resolved": key_id}, actor=actor)
+                try:
+                    self.waits.signal(wait.run_id, wait.name, {"resolved": key_id}, actor=actor)
+                except WaitRefused as exc:
+                    # Settled since it was found: the run's worker saw the resolution and
+                    # signalled its own wait, or the run ended. Either way there is
+                    # nothing left to wake, and the decision above is recorded.
+                    if exc.reason != "decided":
+                        raise
         return record
 
     # -- state -------------------------------------------------------------------------

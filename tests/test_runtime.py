@@ -25,6 +25,7 @@ from onceonly.checkpoint import (
     Source,
     StateMigrations,
     Store,
+    Wait,
     WaitKind,
     WaitRefused,
     Waits,
@@ -778,6 +779,50 @@ def test_an_effect_in_doubt_parks_the_run_until_a_person_resolves_it(
     assert env.provider.sent() == [500]  # applied once either way
     assert env.state(rid)["result"]["payload"] == 500
     assert steps == ["wire", "wire"]
+
+
+@pytest.mark.parametrize("meanwhile", ["the worker signals", "the run is cancelled"])
+def test_a_resolve_whose_wait_was_settled_meanwhile_still_records_the_decision(
+    env: Env, meanwhile: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Operator.resolve finds the parked run's open wait, then signals it; in between, the
+    run's own worker may see the resolution and signal the wait itself, or the run may end.
+    The resolve must not fail then (S3 on PostgreSQL under load: 'delivered already by
+    s3-worker'): the decision is recorded, and the run goes on once."""
+    flow = Flow("wire")
+
+    @flow.step(start=True)
+    def wire(ctx: StepContext) -> Transition:
+        ctx.state["receipt"] = env.send(ctx, "wire@1", 500)
+        return ctx.end(ctx.state["receipt"])
+
+    env.provider.lost.append("wire@1")
+    rt = env.runtime(flow)
+    rid = rt.start("wire")
+    assert rt.drive(rid).status is RunStatus.WAITING
+    [effect] = env.ledger.effects(run_id=rid)
+    find = env.operator.waits.find
+
+    def find_then_race(**kwargs: object) -> list[Wait]:
+        found = find(**kwargs)
+        for wait in found:
+            if meanwhile == "the worker signals":
+                env.operator.waits.signal(wait.run_id, wait.name, {"resolved": 1}, actor="w")
+            else:
+                env.operator.cancel(wait.run_id, actor="ops", reason="duplicate")
+        return found
+
+    monkeypatch.setattr(env.operator.waits, "find", find_then_race)
+    record = env.operator.resolve(
+        effect.key_id, happened=False, evidence="not on the statement", actor="ops"
+    )
+    assert record.status is EffectStatus.NOT_HAPPENED
+    if meanwhile == "the worker signals":
+        assert rt.drive(rid).status is RunStatus.COMPLETED
+        assert env.provider.sent() == [500]
+    else:
+        assert rt.drive(rid).status is RunStatus.CANCELLED
+        assert env.provider.sent() == []
 
 
 def test_cancel_closes_the_waits_and_stops_the_run(env: Env) -> None:
