@@ -803,7 +803,7 @@ def test_a_resolve_whose_wait_was_settled_meanwhile_still_records_the_decision(
     [effect] = env.ledger.effects(run_id=rid)
     find = env.operator.waits.find
 
-    def find_then_race(**kwargs: object) -> list[Wait]:
+    def find_then_race(**kwargs: Any) -> list[Wait]:
         found = find(**kwargs)
         for wait in found:
             if meanwhile == "the worker signals":
