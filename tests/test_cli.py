@@ -16,6 +16,7 @@ from sqlalchemy import create_engine, inspect
 
 from onceonly.checkpoint import Codec, Handoff, RunStatus, Store
 from onceonly.cli import cli
+from onceonly.console import Accounts, Role
 from tests.values import Point, make_codec
 
 ONCEONLY = Path(sys.executable).parent / "onceonly"
@@ -82,6 +83,24 @@ def test_migrate_creates_the_schema_once(url: str) -> None:
     second = _invoke("migrate", "--url", url)
     assert "checkpoint schema: applied 0" in second.stdout
     assert "CREATE TABLE oo_runs" not in _invoke("migrate", "--url", url, "--sql").stdout
+
+
+def test_migrate_console_creates_the_consoles_tables_for_a_role_that_cannot(url: str) -> None:
+    """A DBA applies the console's tables with the rest (or prints them with --sql); the
+    console then opens a database it may not create tables in."""
+    _invoke("migrate", "--url", url)
+    assert not {t for t in _tables(url) if t.startswith("oo_console_")}
+    printed = _invoke("migrate", "--url", url, "--console", "--sql").stdout
+    for table in ("users", "tokens", "snoozes", "link_uses"):
+        assert f"CREATE TABLE oo_console_{table}" in printed
+    assert "CREATE TABLE oo_runs" not in printed  # current already
+    assert "console schema: applied 1" in _invoke("migrate", "--url", url, "--console").stdout
+    assert {"oo_console_users", "oo_console_tokens"} <= _tables(url)
+    with Store.open(url, create=False) as store:
+        accounts = Accounts(store, create=False)
+        accounts.add("olivia", Role.VIEWER, "a long passphrase 2026")
+        assert [u.name for u in accounts.users()] == ["olivia"]
+    assert "console schema: applied 0" in _invoke("migrate", "--url", url, "--console").stdout
 
 
 def test_the_database_url_can_come_from_the_environment(url: str) -> None:

@@ -75,9 +75,15 @@ def demo_cmd(db: str | None, crash_at: str, seed: int | None) -> None:
 @click.option("--url", default=None, help=URL_HELP)
 @click.option("--sql", is_flag=True, help="Print the SQL instead of running it.")
 @click.option("--langgraph", is_flag=True, help="Also the LangGraph checkpointer's tables.")
-def migrate_cmd(url: str | None, sql: bool, langgraph: bool) -> None:
+@click.option(
+    "--console",
+    is_flag=True,
+    help="Also the operator console's tables (accounts, tokens, snoozes, used links).",
+)
+def migrate_cmd(url: str | None, sql: bool, langgraph: bool, console: bool) -> None:
     """Create or upgrade the database schema (checkpoint core, effects ledger and the
-    worker registry; with --langgraph also the LangGraph checkpointer's tables)."""
+    worker registry; with --langgraph also the LangGraph checkpointer's tables, with
+    --console the operator console's)."""
     from onceonly.checkpoint import migrate  # noqa: PLC0415
     from onceonly.ledger import migrate as ledger_migrate  # noqa: PLC0415
     from onceonly.registry import migrate as registry_migrate  # noqa: PLC0415
@@ -91,6 +97,10 @@ def migrate_cmd(url: str | None, sql: bool, langgraph: bool) -> None:
         from onceonly.adapters._langgraph_schema import migrate as langgraph_migrate  # noqa: PLC0415
 
         click.echo(langgraph_migrate(target, sql=sql), nl=not sql)
+    if console:
+        from onceonly.console.accounts import migrate as console_migrate  # noqa: PLC0415
+
+        click.echo(console_migrate(target, sql=sql), nl=not sql)
 
 
 @cli.command("workers")
