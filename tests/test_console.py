@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from onceonly.checkpoint import RunStatus, WaitStatus
@@ -136,30 +138,91 @@ def _api_routes(rid: str, key: str) -> list[tuple[str, str, str]]:
     ]
 
 
-def test_every_route_for_every_role(con: Console) -> None:
-    rid = con.publish("r1")
-    key = "0" * 64
+# Routes anyone may reach: signing in and out, the signed approval links (the link is the
+# credential; tested on their own) and the static files.
+PUBLIC = {("GET", "/"), ("GET", "/login"), ("POST", "/login"), ("POST", "/logout")}
+PUBLIC |= {("GET", "/approve/{token}"), ("POST", "/approve/{token}")}
+
+
+def _matrix_problems(con: Console, rid: str, key: str) -> tuple[int, list[str]]:
+    """Every route of the matrix for every role: (requests made, one line per route whose
+    answer disagrees with its least role, or that answered with a server error)."""
+    problems: list[str] = []
     checked = 0
+
+    def judge(role: str, method: str, path: str, least: str, status: int) -> None:
+        allowed = RANK[role] >= RANK[least]
+        if (status == 403) is allowed or status >= 500:
+            problems.append(f"{role} {method} {path}: {status} (needs {least})")
+
     for role, user in BY_ROLE.items():
         c = con.client(user)
         token = csrf_of(c, "/inbox")
         for method, path, least, form in _routes(con, rid, key):
             r = c.get(path) if method == "GET" else c.post(path, data={"csrf": token, **form})
-            allowed = RANK[role] >= RANK[least]
-            assert (r.status_code == 403) is not allowed, (role, method, path, r.status_code)
-            assert r.status_code < 500, (role, path, r.text[:500])
+            judge(role, method, path, least, r.status_code)
             checked += 1
         api = con.api(user)
         for method, path, least in _api_routes(rid, key):
             r = api.get(path) if method == "GET" else api.post(path, json={})
-            allowed = RANK[role] >= RANK[least]
-            assert (r.status_code == 403) is not allowed, (role, method, path, r.status_code)
-            assert r.status_code < 500, (role, path, r.text[:500])
+            judge(role, method, path, least, r.status_code)
             checked += 1
+    return checked, problems
+
+
+def _unmatrixed(con: Console, rid: str, key: str) -> list[str]:
+    """The app's routes that no row of the matrix requests (a new route must get one)."""
+
+    rows = [(m, p) for m, p, _, _ in _routes(con, rid, key)]
+    rows += [(m, p) for m, p, _ in _api_routes(rid, key)]
+    missing = []
+    for route in con.app.routes:
+        if not isinstance(route, Route):
+            continue  # the static files' mount
+        for method in sorted((route.methods or set()) - {"HEAD"}):
+            if (method, route.path) in PUBLIC:
+                continue
+            if not any(m == method and route.path_regex.match(p) for m, p in rows):
+                missing.append(f"{method} {route.path}")
+    return missing
+
+
+def test_every_route_for_every_role(con: Console) -> None:
+    rid = con.publish("r1")
+    key = "0" * 64
+    assert _unmatrixed(con, rid, key) == []
+    checked, problems = _matrix_problems(con, rid, key)
+    assert problems == []
     assert checked == 4 * 31
     # nothing above decided or changed the run: every allowed POST lacked what it needs
     assert con.op.waits.get(rid, "send").status is WaitStatus.OPEN
     assert con.store.get_run(rid).status is RunStatus.WAITING
+
+
+def test_the_matrix_catches_a_route_without_its_role_check(con: Console) -> None:
+    """Positive control: a cancel route that forgets the role check (planted ahead of
+    the real one) is reported for the viewer and the approver, and a route no row of
+    the matrix requests is reported as such."""
+
+    rid = con.publish("r1")
+    key = "0" * 64
+
+    async def careless_cancel(request: object) -> PlainTextResponse:
+        return PlainTextResponse("cancelled")
+
+    async def forgotten(request: object) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    con.app.router.routes.insert(
+        0, Route("/runs/{run_id}/cancel", careless_cancel, methods=["POST"])
+    )
+    con.app.router.routes.append(Route("/runs/{run_id}/purge", forgotten, methods=["DELETE"]))
+    _, problems = _matrix_problems(con, rid, key)
+    assert problems == [
+        f"viewer POST /runs/{rid}/cancel: 200 (needs operator)",
+        f"approver POST /runs/{rid}/cancel: 200 (needs operator)",
+    ]
+    assert _unmatrixed(con, rid, key) == ["DELETE /runs/{run_id}/purge"]
 
 
 def test_csrf_missing_wrong_or_from_another_session_is_refused(con: Console) -> None:
