@@ -119,7 +119,12 @@ def test_unguarded_the_resume_books_twice(
 ) -> None:
     """Positive control: the same crash and resume without the guard."""
     crash_and_resume(db_url, tmp_path, fake, shape, "--guard", "none")
-    assert deliveries(fake) == {"/bookings": 2, "/notifications": 1}
+    counts = deliveries(fake)
+    assert counts["/bookings"] == 2
+    # The task shape notifies after the booking, so only on the resume. The agent's tool
+    # node runs both calls at once: unguarded, the notification may also have reached the
+    # provider before the kill, and the resume sends it again.
+    assert counts["/notifications"] in ({1} if shape == "task" else {1, 2})
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
