@@ -126,6 +126,10 @@ def hash_of(ev: Sequence[Any]) -> bytes:
     return blake3.blake3(bytes(prev) + body).digest()
 
 
+ACTION_EVENT = "operator"
+"""The event name of a person's action in an audit chain (an operator's cancel, edit,
+approval, ...): it belongs to no effect row."""
+
 EVENT_COLS = (
     "chain, seq, key_id, event, epoch, status, actor, detail, row_digest, at, prev_hash, hash"
 )

@@ -6,6 +6,7 @@ Mixed into :class:`ledger.Ledger`; kept apart so the state machine reads on its 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from typing import Any
 from onceonly.checkpoint import RowKeys
 from onceonly.checkpoint.errors import CorruptRecord
 
-from ._integrity import effect_parts
+from ._integrity import ACTION_EVENT, effect_parts
 from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
 from ._transitions import TransitionMixin
 from .audit import AuditReport, export_witness, verify_store
@@ -200,6 +201,56 @@ class QueryMixin(TransitionMixin):
             return [dict(zip(keys, r, strict=True)) for r in cur.fetchall()]
 
         return self.store.read(scan)
+
+    # -- operator actions in the audit chain -------------------------------------------
+    def record_action(
+        self, chain: str, ident: str, *, actor: str, detail: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Append a person's action to an audit chain (a run id): an ``operator`` event,
+        hash-chained and sealed like the effects' events, that belongs to no effect row
+        (verification knows it by its event name). ``ident`` names the action within
+        the chain: recording the same ``ident`` again (an interrupted action repeated)
+        appends nothing and returns the event recorded first.
+
+        Returns:
+            The event (as :meth:`audit_events` gives it, ``detail`` decoded).
+
+        Raises:
+            ConfigurationError: The ledger is read-only.
+        """
+        key_id = "op:" + hashlib.sha256(f"{chain}\x1f{ident}".encode()).hexdigest()[:61]
+        text = json.dumps(detail, sort_keys=True, separators=(",", ":"), default=str)
+        q = self._q
+
+        def txn(cur: Any) -> None:
+            cur.execute(
+                f"SELECT 1 FROM oo_audit WHERE chain = {q} AND key_id = {q} LIMIT 1",
+                (chain, key_id),
+            )
+            if cur.fetchone() is not None:
+                return
+            row = {
+                "chain": chain,
+                "key_id": key_id,
+                "status": ACTION_EVENT,
+                "epoch": 0,
+                "updated_at": self._clock(),
+            }
+            digest = hashlib.sha256(text.encode()).digest()
+            self._append(cur, row, ACTION_EVENT, actor[:200], text, digest=digest)
+
+        self._write(txn, outcome=False)
+        (event,) = [e for e in self.operator_actions(chain) if e["key_id"] == key_id]
+        return event
+
+    def operator_actions(self, chain: str) -> list[dict[str, Any]]:
+        """The people's actions recorded in an audit chain (:meth:`record_action`), in
+        order, each with ``detail`` decoded."""
+        return [
+            {**ev, "detail": json.loads(ev["detail"])}
+            for ev in self.audit_events(chain)
+            if ev["event"] == ACTION_EVENT
+        ]
 
     # -- verification ------------------------------------------------------------------
     def verify(self, *, witness: str | None = None) -> AuditReport:

@@ -12,6 +12,7 @@ the whole store is detected too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from onceonly.checkpoint import Store
 from onceonly.checkpoint._witness import read_witness
 
 from ._integrity import (
+    ACTION_EVENT,
     EVENT_COLS,
     GENESIS,
     effect_parts,
@@ -111,6 +113,14 @@ def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
                 c, seq, key_id, event, digest, h = ev[0], ev[1], ev[2], ev[3], ev[8], ev[11]
                 if hash_of(ev) != bytes(h):
                     report.problems.append(f"chain {c!r} event {seq}: edited (hash mismatch)")
+                if event == ACTION_EVENT:
+                    # a person's action: no row; its digest is that of its detail
+                    if hashlib.sha256(str(ev[7]).encode()).digest() != bytes(digest):
+                        report.problems.append(
+                            f"chain {c!r} event {seq}: an operator action's detail differs "
+                            f"from its digest (edited)"
+                        )
+                    continue
                 last[key_id] = (c, bytes(digest), event)
                 if event == "retired":
                     retired.add(key_id)

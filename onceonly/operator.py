@@ -1,9 +1,11 @@
 """The escape hatch: what a person does to a run, as a Python API (the CLI calls it).
 
-Every operation is recorded with the operator's identity: decisions on the wait row,
-state changes as checkpoints with source ``operator`` (with the reason in the run's
-operator log), effect resolutions in the ledger's audit chain. None of them ever
-re-fires an effect the ledger holds as committed.
+Every operation is recorded with the operator's identity in the run's audit chain in
+the ledger (an ``operator`` event, hash-chained and sealed with the run's effects'
+events: :meth:`Operator.actions`), and where it acts: decisions on the wait row, state
+changes as checkpoints with source ``operator`` (with the reason in the run's operator
+log), effect resolutions as the effect's own audit event. None of them ever re-fires an
+effect the ledger holds as committed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from onceonly.checkpoint import (
@@ -35,7 +37,7 @@ from onceonly.checkpoint import (
     Waits,
     notify_ready,
 )
-from onceonly.ledger import UNKNOWN_RESULT, EffectIdentity, EffectRecord, Ledger, ProviderClass
+from onceonly.ledger import UNKNOWN_RESULT, EffectRecord, Ledger
 from onceonly.ledger import RetentionPolicy as EffectRetention
 
 from .deploy import named_steps
@@ -78,6 +80,7 @@ class RunView:
         history: Its checkpoints, oldest first.
         waits: Its waits (open and settled).
         effects: Its effects in the ledger.
+        actions: The operators' actions in its audit chain (:meth:`Operator.actions`).
     """
 
     run: Run
@@ -86,6 +89,7 @@ class RunView:
     history: list[CheckpointInfo]
     waits: list[Wait]
     effects: list[EffectRecord]
+    actions: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,7 @@ class Operator:
             history=self.store.history(run_id),
             waits=self.waits.find(run_id=run_id),
             effects=self.ledger.effects(run_id=key_run),
+            actions=self.actions(run_id),
         )
 
     # -- waits -------------------------------------------------------------------------
@@ -148,9 +153,11 @@ class Operator:
             WaitNotFound: The run has no approval of that name.
         """
         self.store.get_run(run_id)
-        return self.waits.approve(
+        wait = self.waits.approve(
             run_id, name, actor=actor, subject_hash=subject_hash, reason=reason
         )
+        self._record_decision(wait, "approve")
+        return wait
 
     def approve_edited(
         self,
@@ -174,9 +181,11 @@ class Operator:
             CodecError: The new subject cannot be stored.
         """
         self.store.get_run(run_id)
-        return self.waits.approve_edited(
+        wait = self.waits.approve_edited(
             run_id, name, actor=actor, subject_hash=subject_hash, subject=subject, reason=reason
         )
+        self._record_decision(wait, "approve", {"edited_from": subject_hash})
+        return wait
 
     def reject(self, run_id: str, name: str, *, actor: str, reason: str = "") -> Wait:
         """Reject an approval request.
@@ -186,7 +195,9 @@ class Operator:
             WaitNotFound: The run has no approval of that name.
         """
         self.store.get_run(run_id)
-        return self.waits.reject(run_id, name, actor=actor, reason=reason)
+        wait = self.waits.reject(run_id, name, actor=actor, reason=reason)
+        self._record_decision(wait, "reject")
+        return wait
 
     def signal(self, run_id: str, name: str, payload: Any = None, *, actor: str = "") -> Wait:
         """Deliver a signal to a run (kept if it does not wait for it yet).
@@ -411,6 +422,18 @@ class Operator:
             source=Source.OPERATOR,
             key_run=str(meta["key_run"]),
             also=also,
+        )
+        self._record(
+            new,
+            "fork",
+            "0",
+            {
+                "at": self.clock(),
+                "by": actor,
+                "action": "operator:fork",
+                "reason": reason,
+                "from": {"run": run_id, "seq": seq},
+            },
         )
         if waiting:
             self.waits.wake_if_settled(new, str(waiting["name"]))
@@ -670,6 +693,8 @@ class Operator:
             "by": actor,
             "reason": reason,
         }
+        # in the run's audit chain as ``record``: hash-chained and sealed with the run's
+        # other events
         info = self._operator_checkpoint(
             run_id,
             "operator:upgrade",
@@ -679,21 +704,7 @@ class Operator:
             meta_update={**update, "upgraded": [*list(meta.get("upgraded") or []), record]},
             log_extra={"from": old, "to": flow.version, "steps": record["steps"]},
             parent=snap.info.seq,
-        )
-        # In the run's audit chain: hash-chained and sealed with the run's other events.
-        identity = EffectIdentity(
-            tenant=flow.tenant,
-            run_id=run_id,
-            step_id=f"operator:upgrade#{info.seq}",
-            step_visit=0,
-            effect="operator.upgrade@1",
-            ordinal=0,
-        )
-        self.ledger.perform(
-            identity,
-            record,
-            lambda claim: record,
-            provider_class=ProviderClass.QUERYABLE,
+            audit={"from": old, "to": flow.version, "steps": record["steps"]},
         )
         self.store.update_run(run_id, code_version=flow.version, expect_head=info.seq)
         self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
@@ -769,11 +780,15 @@ class Operator:
         parent: int | None = None,
         attempts: int = 1,
         log_extra: dict[str, Any] | None = None,
+        audit: dict[str, Any] | None = None,
     ) -> CheckpointInfo:
         """Write an operator's checkpoint on top of the run's head as read together with
         the run row (``expect`` checks that row; ``parent`` pins the head the caller
         decided on). A head another writer advanced meanwhile is ``ConcurrentWrite``,
-        or, with ``attempts`` > 1, the action is applied again on the new head."""
+        or, with ``attempts`` > 1, the action is applied again on the new head.
+
+        Then the action is in the run's audit chain (:meth:`_record`): the operator
+        log's entry, the new checkpoint's ``seq``, and ``audit``."""
         if not actor.strip():
             raise ConfigurationError(f"{step} needs the operator's identity")
         for attempt in range(1, attempts + 1):
@@ -805,7 +820,7 @@ class Operator:
             state[META] = meta
             try:
                 if next_step is None:
-                    return self.store.save(
+                    info = self.store.save(
                         run_id,
                         state,
                         step=step,
@@ -813,19 +828,84 @@ class Operator:
                         source=Source.OPERATOR,
                         parent=snap.info.seq,
                     )
-                return self.store.save(
-                    run_id,
-                    state,
-                    step=step,
-                    next_step=next_step,
-                    status=status,
-                    source=Source.OPERATOR,
-                    parent=snap.info.seq,
-                )
+                else:
+                    info = self.store.save(
+                        run_id,
+                        state,
+                        step=step,
+                        next_step=next_step,
+                        status=status,
+                        source=Source.OPERATOR,
+                        parent=snap.info.seq,
+                    )
             except ConcurrentWrite:
                 if attempt == attempts:
                     raise
+                continue
+            self._record(
+                run_id,
+                step.removeprefix("operator:"),
+                str(info.seq),
+                {**entry, "seq": info.seq, **(audit or {})},
+            )
+            return info
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _record(self, run_id: str, action: str, where: str, record: dict[str, Any]) -> None:
+        """Append an operator's action to the run's audit chain in the ledger: an
+        ``operator`` event (hash-chained and sealed with the run's effects' events) whose
+        detail is ``record`` (who, when, why, what), named ``ACTION#WHERE`` in the chain.
+        Recording it again (an interrupted action repeated) appends nothing.
+
+        The action itself is written first (the wait's decision, the checkpoint): a
+        process killed between the two leaves it recorded there only, with the
+        operator's identity, not in the chain."""
+        self.ledger.record_action(
+            run_id, f"{action}#{where}", actor=str(record.get("by") or ""), detail=record
+        )
+
+    def actions(self, run_id: str) -> list[dict[str, Any]]:
+        """The operators' actions in the run's audit chain, oldest first: each with
+        ``seq`` (its place in the chain), ``at``, ``actor`` and ``detail`` (``action``,
+        ``reason`` and what the action names: a checkpoint, an approval, a fork's origin,
+        an upgrade's versions)."""
+        return [
+            {"seq": e["seq"], "at": e["at"], "actor": e["actor"], "detail": e["detail"]}
+            for e in self.ledger.operator_actions(run_id)
+        ]
+
+    def _record_decision(
+        self, wait: Wait, action: str, extra: dict[str, Any] | None = None
+    ) -> None:
+        """A decision on an approval, in the run's audit chain."""
+        record: dict[str, Any] = {
+            "at": wait.decided_at,
+            "by": wait.decided_by,
+            "action": f"operator:{action}",
+            "reason": wait.reason or "",
+            "approval": wait.name,
+            "instance": wait.instance,
+            "subject_hash": wait.subject_hash,
+            **(extra or {}),
+        }
+        self._record(wait.run_id, action, f"{wait.name}:{wait.instance}", record)
+
+    def record(self, run_id: str, action: str, details: dict[str, Any], *, actor: str) -> None:
+        """Record an operator's action that changes nothing in the run itself (a console's
+        snooze) in the run's audit chain, with the actor and the time (one event per
+        call; :meth:`actions` lists them).
+
+        Raises:
+            ConfigurationError: No actor, or an action name that is not a plain word.
+            RunNotFound: No such run.
+        """
+        if not actor.strip():
+            raise ConfigurationError(f"recording {action!r} needs the operator's identity")
+        if not action.replace("_", "").isalnum():
+            raise ConfigurationError(f"an action is a plain word, not {action!r}")
+        self.store.get_run(run_id)
+        record = {"at": self.clock(), "by": actor, "action": f"operator:{action}", **details}
+        self._record(run_id, action, uuid.uuid4().hex, record)
 
 
 def _at_position(step_id: str | None, at: str) -> bool:

@@ -136,8 +136,14 @@ def test_an_upgrade_maps_the_steps_and_migrates_the_state_once(env: Env) -> None
     assert sources[-2:] == [Source.MIGRATION, Source.OPERATOR]
     assert env.state(rid)["order"] == "a-1"
     # the audit chain holds the same record
-    (record,) = [e for e in env.ledger.effects(run_id=rid) if e.effect == "operator.upgrade@1"]
-    assert record.status.value == "committed"
+    (record,) = [a["detail"] for a in env.operator.actions(rid)]
+    assert (record["action"], record["by"], record["from"], record["to"]) == (
+        "operator:upgrade",
+        "alice",
+        "1",
+        "2",
+    )
+    assert record["steps"] == {"tell": "notify"}
     assert env.ledger.verify().ok
     # the same upgrade again changes nothing
     n = len(env.store.history(rid))

@@ -589,8 +589,14 @@ def build(
             w = op.waits.get(run_id, name)
             if w.status is not WaitStatus.OPEN:
                 raise _Denied(409, f"{name!r} of run {run_id!r} is {w.status.value} already")
-            accounts.snooze(
-                run_id, name, w.instance, until=clock() + seconds, by=user.name, reason=reason
+            until = clock() + seconds
+            accounts.snooze(run_id, name, w.instance, until=until, by=user.name, reason=reason)
+            # in the run's audit chain too (the console's own table says what is hidden)
+            op.record(
+                run_id,
+                "snooze",
+                {"approval": name, "instance": w.instance, "until": until, "reason": reason},
+                actor=user.name,
             )
 
         await run_in_threadpool(snooze)
