@@ -240,8 +240,8 @@ class QueryMixin(TransitionMixin):
             self._append(cur, row, ACTION_EVENT, actor[:200], text, digest=digest)
 
         self._write(txn, outcome=False)
-        (event,) = [e for e in self.operator_actions(chain) if e["key_id"] == key_id]
-        return event
+        (event,) = self.audit_events(chain, key_ids=[key_id])  # by the chain's key index
+        return {**event, "detail": json.loads(event["detail"])}
 
     def operator_actions(self, chain: str) -> list[dict[str, Any]]:
         """The people's actions recorded in an audit chain (:meth:`record_action`), in

@@ -693,8 +693,6 @@ class Operator:
             "by": actor,
             "reason": reason,
         }
-        # in the run's audit chain as ``record``: hash-chained and sealed with the run's
-        # other events
         info = self._operator_checkpoint(
             run_id,
             "operator:upgrade",
@@ -704,7 +702,6 @@ class Operator:
             meta_update={**update, "upgraded": [*list(meta.get("upgraded") or []), record]},
             log_extra={"from": old, "to": flow.version, "steps": record["steps"]},
             parent=snap.info.seq,
-            audit={"from": old, "to": flow.version, "steps": record["steps"]},
         )
         self.store.update_run(run_id, code_version=flow.version, expect_head=info.seq)
         self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
@@ -780,7 +777,6 @@ class Operator:
         parent: int | None = None,
         attempts: int = 1,
         log_extra: dict[str, Any] | None = None,
-        audit: dict[str, Any] | None = None,
     ) -> CheckpointInfo:
         """Write an operator's checkpoint on top of the run's head as read together with
         the run row (``expect`` checks that row; ``parent`` pins the head the caller
@@ -788,7 +784,7 @@ class Operator:
         or, with ``attempts`` > 1, the action is applied again on the new head.
 
         Then the action is in the run's audit chain (:meth:`_record`): the operator
-        log's entry, the new checkpoint's ``seq``, and ``audit``."""
+        log's entry (with ``log_extra``) and the new checkpoint's ``seq``."""
         if not actor.strip():
             raise ConfigurationError(f"{step} needs the operator's identity")
         for attempt in range(1, attempts + 1):
@@ -819,7 +815,7 @@ class Operator:
             meta.update(meta_update or {})
             state[META] = meta
             try:
-                if next_step is None:
+                if next_step is None:  # the store's default keeps the run's next step
                     info = self.store.save(
                         run_id,
                         state,
@@ -846,7 +842,7 @@ class Operator:
                 run_id,
                 step.removeprefix("operator:"),
                 str(info.seq),
-                {**entry, "seq": info.seq, **(audit or {})},
+                {**entry, "seq": info.seq},
             )
             return info
         raise AssertionError("unreachable")  # pragma: no cover
