@@ -94,8 +94,9 @@ ambiguous) and a retry policy. A tool exception is classified by evidence:
   records the decision and goes on (:mod:`adapters._langgraph_doubt`).
 
 **Forks.** A time-travel fork runs from a copy of the past checkpoint with a new id, so
-its tasks get new ids. With ``forks="replay"`` (the default) a call in the super-step a
-fork starts with is placed as the same call from the checkpoint the fork copies
+its tasks get new ids, and so do those of its later super-steps. With
+``forks="replay"`` (the default) a call anywhere in a fork's lineage is placed as the
+same call from the matching checkpoint of the lineage the fork left
 (:mod:`adapters._langgraph_fork`): the same arguments replay what was made from there;
 other arguments get a position of their own, keyed by their hash. ``forks="act"``:
 every fork acts anew.
@@ -136,13 +137,21 @@ import inspect
 import json
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from onceonly.checkpoint.errors import CodecError, ConfigurationError, OnceOnlyError
-from onceonly.ledger import EffectFailed, EffectInDoubt, Ledger, OutcomeClass, ProviderClass
+from onceonly.ledger import (
+    EffectFailed,
+    EffectInDoubt,
+    KeyReuseError,
+    Ledger,
+    OutcomeClass,
+    ProviderClass,
+)
 from onceonly.ledger.keys import canonical_args
 
 from . import _langgraph_doubt as _doubt
@@ -324,10 +333,11 @@ class ToolGuard:
 
         forks: A time-travel fork (``invoke(None, past_config)``) re-runs the super-steps
             after the checkpoint it copies. ``"replay"`` (the default): a call the fork
-            makes with the same arguments at the same position as a call already made
-            from that checkpoint (by the original run or an earlier fork) replays its
-            recorded result; other arguments make a new call, once per fork of that
-            checkpoint with those arguments. ``"act"``: every fork acts anew.
+            makes, in any of its super-steps, with the same arguments at the same
+            position as a call already made from that checkpoint (by the original run
+            or an earlier fork) replays its recorded result; other arguments make a new
+            call, once per fork of that checkpoint with those arguments. ``"act"``:
+            every fork acts anew.
 
     Raises:
         ConfigurationError: ``checkpoint_wait_s`` is not positive, ``in_doubt`` is
@@ -365,6 +375,8 @@ class ToolGuard:
         # (thread, ns, checkpoint id) -> its metadata's source ("fork": a time-travel copy)
         self._saved: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self._saved_lock = threading.Lock()  # ToolNode runs a message's calls in threads
+        # per saver: where its checkpoints sit relative to time-travel forks
+        self._lineages: weakref.WeakKeyDictionary[Any, _fork.Lineage] = weakref.WeakKeyDictionary()
 
     def policy(self, tool: str) -> ToolPolicy:
         """The policy of ``tool``."""
@@ -558,7 +570,8 @@ class ToolGuard:
         from the entrypoint's checkpoint, its call path and its index), like a tool call;
         the arguments are fingerprinted and the result recorded, so both must be
         codec-encodable. The call waits for the checkpoint its task was planned from, as
-        tool calls do. An in-doubt call raises :class:`~ledger.EffectInDoubt`.
+        tool calls do, and a time-travel fork places it as tool calls are placed (see
+        ``forks``). An in-doubt call raises :class:`~ledger.EffectInDoubt`.
 
         Args:
             name: The effect's name (``"<name>@1"`` unless the policy names one); the
@@ -579,7 +592,18 @@ class ToolGuard:
                 async def aguarded(*args: Any, **kwargs: Any) -> Any:
                     thread, ns, plan = self._task_position(name)
                     await self._await_saved(plan)
-                    with step(thread, ns, tenant=self.tenant):
+                    at = ns
+                    if self._plan_may_fork(plan):
+                        at = await asyncio.to_thread(self._task_forked, thread, ns, plan)
+                    try:
+                        with step(thread, at, tenant=self.tenant):
+                            return await guarded(*args, **kwargs)
+                    except KeyReuseError:
+                        if at == ns:  # not a forked call: the run diverged
+                            raise
+                    # Other arguments than the call made from that checkpoint: a new call,
+                    # placed by its arguments (the same fork taken again replays it).
+                    with step(thread, self._by_args(at, name, args, kwargs), tenant=self.tenant):
                         return await guarded(*args, **kwargs)
 
                 return cast(Callable[P, R], aguarded)
@@ -588,7 +612,14 @@ class ToolGuard:
             def sguarded(*args: P.args, **kwargs: P.kwargs) -> R:
                 thread, ns, plan = self._task_position(name)
                 self._wait_saved(plan)
-                with step(thread, ns, tenant=self.tenant):
+                at = self._task_forked(thread, ns, plan) if self._plan_may_fork(plan) else ns
+                try:
+                    with step(thread, at, tenant=self.tenant):
+                        return cast(R, guarded(*args, **kwargs))
+                except KeyReuseError:
+                    if at == ns:
+                        raise
+                with step(thread, self._by_args(at, name, args, kwargs), tenant=self.tenant):
                     return cast(R, guarded(*args, **kwargs))
 
             return sguarded
@@ -688,23 +719,54 @@ class ToolGuard:
         )
 
     def _maybe_fork(self, call: _Call) -> bool:
-        """Whether the call's super-step was planned from a time-travel fork
-        (``forks="replay"``), as the wait for its checkpoint read it (no I/O here)."""
+        """Whether the call's super-step may have been planned in a time-travel fork's
+        lineage (``forks="replay"``): False only when that is known without I/O."""
         if self.forks != "replay":
             return False
+        graph_ns, checkpoint_id = call.plan.checkpoints[-1]
+        lineage = self._lineage(call.plan.saver)
+        return not lineage.known(call.plan.thread_id, graph_ns, checkpoint_id)
+
+    def _plan_may_fork(self, plan: _Plan) -> bool:
+        if self.forks != "replay":
+            return False
+        graph_ns, checkpoint_id = plan.checkpoints[-1]
+        return not self._lineage(plan.saver).known(plan.thread_id, graph_ns, checkpoint_id)
+
+    def _task_forked(self, thread: str, ns: str, plan: _Plan) -> str:
+        """A functional-API task's namespace from its checkpoint's equivalent (as
+        :meth:`_forked` places a tool call); ``ns`` when in no fork's lineage."""
+        from langgraph.config import get_config  # noqa: PLC0415  (optional dependency)
+
+        metadata = get_config().get("metadata", {})
+        graph_ns, checkpoint_id = plan.checkpoints[-1]
+        lineage = self._lineage(plan.saver)
+        origin = _fork.origin_namespace(lineage, thread, graph_ns, checkpoint_id, ns, metadata)
+        return ns if origin is None else origin
+
+    def _by_args(self, at: str, name: str, args: Any, kwargs: Any) -> str:
+        digest = self.approval_hash(name, {"args": list(args), "kwargs": dict(kwargs)})
+        return f"{at}/args:{digest[:32]}"
+
+    def _lineage(self, saver: BaseCheckpointSaver[Any]) -> _fork.Lineage:
         with self._saved_lock:
-            source = self._saved.get((call.plan.thread_id, *call.plan.checkpoints[-1]))
-        return source == "fork"
+            try:
+                lineage = self._lineages.get(saver)
+            except TypeError:  # a saver that cannot be weakly referenced: no cache
+                return _fork.Lineage(saver.get_tuple, saver.list)
+            if lineage is None:
+                lineage = self._lineages[saver] = _fork.Lineage(saver.get_tuple, saver.list)
+            return lineage
 
     def _forked(self, call: _Call, request: ToolCallRequest) -> _Call:
-        """The call placed as the same call from the checkpoint its fork copies (see
-        ``ToolGuard(forks=...)``); unchanged when its checkpoint is no fork."""
+        """The call placed as the same call from its checkpoint's equivalent (see
+        ``ToolGuard(forks=...)``); unchanged when its checkpoint is in no fork's lineage."""
         plan = call.plan
         graph_ns, checkpoint_id = plan.checkpoints[-1]
         ns = str(getattr(request.runtime.execution_info, "checkpoint_ns", ""))
         metadata = (getattr(request.runtime, "config", None) or {}).get("metadata", {})
         origin = _fork.origin_namespace(
-            plan.saver.get_tuple, plan.thread_id, graph_ns, checkpoint_id, ns, metadata
+            self._lineage(plan.saver), plan.thread_id, graph_ns, checkpoint_id, ns, metadata
         )
         if origin is None or not call.step_id.startswith(ns):
             return call

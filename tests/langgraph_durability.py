@@ -193,7 +193,13 @@ class HeldSaver(BaseCheckpointSaver[Any]):
 
 
 class Unwaiting(ToolGuard):
-    """The planted defect: a guard that acts without waiting for its checkpoint."""
+    """The planted defect: a guard that acts without waiting for its checkpoint (and
+    without placing forked calls, whose read of the checkpoint would release a held
+    save: the guard it plants the defect in reads nothing before acting)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("forks", "act")
+        super().__init__(*args, **kwargs)
 
     def _wait_saved(self, plan: Any) -> None:
         return None

@@ -14,7 +14,10 @@ soon as the provider answered the booking: nothing is recorded, nothing saved af
 Worker (a fresh process; prints the final state as JSON)::
 
     python -m tests.langgraph_shapes DB_URL SAVER_PATH PROVIDER_URL THREAD \\
-        --shape agent|task --durability sync|async --guard guard|none [--resume]
+        --shape agent|task --durability sync|async --guard guard|none [--resume|--fork]
+
+``--fork`` takes the thread back to its first checkpoint (``invoke(None, that config)``),
+so every call of the run is planned again in the fork's own lineage.
 """
 
 from __future__ import annotations
@@ -140,6 +143,9 @@ def _worker(argv: Sequence[str]) -> int:
     parser.add_argument("--durability", default="async")
     parser.add_argument("--guard", choices=["guard", "none"], default="guard")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--fork", action="store_true", help="time travel: run again from the first checkpoint"
+    )
     args = parser.parse_args(argv)
 
     store = Store.open(args.db_url)
@@ -157,7 +163,11 @@ def _worker(argv: Sequence[str]) -> int:
     app = make(args.url, SqliteSaver(conn), guard, not args.resume)
     config: Any = {"configurable": {"thread_id": args.thread}}
     start: Any = None
-    if not args.resume:
+    if args.fork:
+        history = list(app.get_state_history(config))
+        [first] = [h for h in history if h.metadata["source"] == "input"]
+        config = first.config
+    elif not args.resume:
         start = (
             {"messages": [("user", "Book r-12 and tell the guest")]}
             if args.shape == "agent"

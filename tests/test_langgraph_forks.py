@@ -111,3 +111,91 @@ def test_changed_arguments_act_once_per_change(fake: FakeProvider, ledgers: Ledg
 def test_a_bad_fork_policy_is_refused(ledgers: Ledgers) -> None:
     with pytest.raises(ConfigurationError, match="forks"):
         ToolGuard(ledgers.fresh(), forks="never")
+
+
+def first_checkpoint(app: Any) -> Any:
+    """The config of the original run's input checkpoint: a fork from it runs the model
+    first, so its tools run from a later checkpoint of the fork's own lineage."""
+    history = list(app.get_state_history(CONFIG))
+    [start] = [h for h in history if h.metadata["source"] == "input"]
+    return start.config
+
+
+def latest_tools_checkpoint(app: Any, after: Any) -> Any:
+    """The newest checkpoint (after ``after``'s id) whose next step runs the tools."""
+    history = list(app.get_state_history(CONFIG))
+    newer = after["configurable"]["checkpoint_id"]
+    [planned] = [
+        h
+        for h in history
+        if h.next == ("tools",) and h.config["configurable"]["checkpoint_id"] > newer
+    ][:1]
+    return planned.config
+
+
+@pytest.mark.parametrize("api", ["invoke", "ainvoke"])
+def test_a_fork_from_an_earlier_super_step_books_once(
+    fake: FakeProvider, ledgers: Ledgers, api: str
+) -> None:
+    """The fork's first super-step runs the model; its tools run from a checkpoint of the
+    fork's own lineage (new ids), still the same calls as the original's from there."""
+    tools = Tools(fake.url, notify_failures=0)
+    guard = ToolGuard(ledgers.fresh(), policies={"notify": NOTIFY})
+    app = build(tools, InMemorySaver(), guard)
+    run(app, INPUT, CONFIG, api)
+    start = first_checkpoint(app)
+    for _ in range(3):
+        final = run(app, None, start, api)
+        assert '"id": 1' in tool_messages(final)["call_book"]["content"]
+    assert booked(fake) == [R12]
+    assert tools.sent == ["guest@example.com"]
+
+
+def test_a_fork_of_a_forks_later_checkpoint_books_once(
+    fake: FakeProvider, ledgers: Ledgers
+) -> None:
+    """Time travel to a checkpoint inside a fork's lineage: placed through that fork back
+    to the original run's call."""
+    tools = Tools(fake.url, notify_failures=0)
+    app = build(tools, InMemorySaver(), ToolGuard(ledgers.fresh(), policies={"notify": NOTIFY}))
+    app.invoke(INPUT, CONFIG)
+    start = first_checkpoint(app)
+    app.invoke(None, start)
+    inside = latest_tools_checkpoint(app, start)
+    app.invoke(None, inside)
+    app.invoke(None, inside)
+    assert booked(fake) == [R12]
+    assert tools.sent == ["guest@example.com"]
+
+
+def test_an_edited_state_is_a_new_plan_and_its_forks_replay_it(
+    fake: FakeProvider, ledgers: Ledgers
+) -> None:
+    """``update_state`` before the model makes a new plan (not a time-travel copy): its
+    calls act, once; taking it again (a fork of the edit) or the original start again
+    replays what each made."""
+    tools = Tools(fake.url, notify_failures=0)
+    app = build(tools, InMemorySaver(), ToolGuard(ledgers.fresh(), policies={"notify": NOTIFY}))
+    app.invoke(INPUT, CONFIG)
+    start = first_checkpoint(app)
+    edited = app.update_state(start, {"messages": [("user", "make it r-99")]}, as_node="__input__")
+    app.invoke(None, edited)
+    assert booked(fake) == [R12, R12]  # the scripted model plans the same booking anew
+    app.invoke(None, edited)
+    app.invoke(None, start)
+    assert booked(fake) == [R12, R12]
+    assert tools.sent == ["guest@example.com"] * 2
+
+
+def test_forks_from_an_earlier_super_step_act_again_when_asked_to(
+    fake: FakeProvider, ledgers: Ledgers
+) -> None:
+    """Positive control for the lineage walk: ``forks="act"`` books on every fork."""
+    tools = Tools(fake.url, notify_failures=0)
+    guard = ToolGuard(ledgers.fresh(), policies={"notify": NOTIFY}, forks="act")
+    app = build(tools, InMemorySaver(), guard)
+    app.invoke(INPUT, CONFIG)
+    start = first_checkpoint(app)
+    app.invoke(None, start)
+    app.invoke(None, start)
+    assert booked(fake) == [R12, R12, R12]

@@ -190,3 +190,102 @@ def test_an_async_guarded_task_records_its_result(ledgers: Ledgers) -> None:
     assert entry.status is EffectStatus.COMMITTED
     assert entry.step_id is not None
     assert entry.step_id.startswith("workflow:")
+
+
+@pytest.mark.parametrize("db_url", BACKENDS, indirect=True)
+def test_a_fork_from_the_first_checkpoint_in_fresh_processes_books_nothing_again(
+    db_url: str, tmp_path: Path, fake: FakeProvider
+) -> None:
+    """The killed run resumed, then taken back to its first checkpoint twice, each time
+    in a fresh process (the fork's lineage is read back from the saver): the model plans
+    the same calls in later super-steps of the fork; they replay (the kill flag would
+    SIGKILL a fork that booked again)."""
+    final = crash_and_resume(db_url, tmp_path, fake, "agent")
+    check_one_booking(fake, final, "agent")
+    saver = tmp_path / "graph.sqlite"
+    for _ in range(2):
+        forked = worker(db_url, saver, fake, "agent", "--fork")
+        assert forked.returncode == 0, forked.stderr
+        assert json.loads(forked.stdout) == final
+    assert deliveries(fake) == {"/bookings": 1, "/notifications": 1}
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_unguarded_a_fork_books_again(db_url: str, tmp_path: Path, fake: FakeProvider) -> None:
+    """Positive control: the same fork without the guard reaches the provider again."""
+    saver = tmp_path / "graph.sqlite"
+    started = worker(db_url, saver, fake, "agent", "--guard", "none")
+    assert started.returncode == -9, started.stderr
+    forked = worker(db_url, saver, fake, "agent", "--guard", "none", "--fork")
+    assert forked.returncode == -9, forked.stderr  # booked again: killed again
+    assert deliveries(fake)["/bookings"] == 2
+
+
+def _forked_workflow(guard: ToolGuard, made: list[str], *, asynchronous: bool) -> Any:
+    """An entrypoint that thinks (an unguarded @task), then books what it thought."""
+
+    @task
+    def think(room: str) -> str:
+        return room.upper()
+
+    if asynchronous:
+
+        @task
+        @guard.task("book_room")
+        async def abook(room: str) -> str:
+            made.append(room)
+            return f"booked {room}"
+
+        @entrypoint(checkpointer=InMemorySaver())
+        async def aworkflow(request: dict[str, str]) -> str:
+            return await abook(await think(request["room"]))
+
+        return aworkflow
+
+    @task
+    @guard.task("book_room")
+    def book(room: str) -> str:
+        made.append(room)
+        return f"booked {room}"
+
+    @entrypoint(checkpointer=InMemorySaver())
+    def workflow(request: dict[str, str]) -> str:
+        return book(think(request["room"]).result()).result()
+
+    return workflow
+
+
+@pytest.mark.parametrize("api", ["invoke", "ainvoke"])
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_guarded_task_in_a_forked_entrypoint_books_once(ledgers: Ledgers, api: str) -> None:
+    """Time travel to the entrypoint's first checkpoint: the entrypoint's task and the
+    @task it calls get new ids; the guarded task is placed as the original's call and
+    replays."""
+    made: list[str] = []
+    flow = _forked_workflow(ToolGuard(ledgers.fresh()), made, asynchronous=api == "ainvoke")
+    config: Any = {"configurable": {"thread_id": "t-1"}}
+
+    def go(start: Any, cfg: Any) -> Any:
+        return (
+            asyncio.run(flow.ainvoke(start, cfg)) if api == "ainvoke" else flow.invoke(start, cfg)
+        )
+
+    assert go({"room": "r12"}, config) == "booked R12"
+    [first] = [h for h in flow.get_state_history(config) if h.metadata["source"] == "input"]
+    assert go(None, first.config) == "booked R12"
+    assert go(None, first.config) == "booked R12"
+    assert made == ["R12"]
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_guarded_task_in_a_forked_entrypoint_acts_again_when_asked_to(
+    ledgers: Ledgers,
+) -> None:
+    """Positive control: ``forks="act"``."""
+    made: list[str] = []
+    flow = _forked_workflow(ToolGuard(ledgers.fresh(), forks="act"), made, asynchronous=False)
+    config: Any = {"configurable": {"thread_id": "t-1"}}
+    flow.invoke({"room": "r12"}, config)
+    [first] = [h for h in flow.get_state_history(config) if h.metadata["source"] == "input"]
+    flow.invoke(None, first.config)
+    assert made == ["R12", "R12"]
