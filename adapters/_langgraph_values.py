@@ -53,6 +53,12 @@ class SerdeValue:
     type: str
     data: bytes
 
+    def __copy__(self) -> SerdeValue:
+        return self  # immutable: a private copy of a state may share it
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SerdeValue:
+        return self
+
 
 def register(codec: Codec) -> None:
     """Allow :class:`SerdeValue` leaves on ``codec``.
@@ -61,7 +67,7 @@ def register(codec: Codec) -> None:
         CodecError: The name is taken by another class on this codec.
     """
     if codec.registered.get(SERDE_VALUE_NAME) is not SerdeValue:
-        codec.register(SerdeValue, name=SERDE_VALUE_NAME)
+        codec.register(SerdeValue, name=SERDE_VALUE_NAME, exact=True)
 
 
 def pack(v: Any, serde: Serde) -> Any:

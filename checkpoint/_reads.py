@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +147,58 @@ class _Reads(_Writer):
             lists=lists,
             info=info,
         )
-        return Snapshot(_delta.private_copy(state), info), head
+        # The snapshot shares the head's state: a caller that keeps the head (the cache)
+        # hands out a private copy (see ``load``).
+        return Snapshot(state, info), head
+
+    @retried("load checkpoints", idempotent=True)
+    def _load_range(
+        self, run_id: str, low: int, high: int
+    ) -> tuple[list[_Row], list[Any], dict[bytes, Any]]:
+        """The rows from the keyframe of checkpoint ``low`` to checkpoint ``high``, each
+        verified, their decoded bodies and the blobs they refer to (one read)."""
+        with translate("load checkpoints"), _RawTxn(self, write=False) as cur:
+            cur.execute(self._sql.seq_rows, (run_id, run_id, low, high))
+            rows = [_Row(*r) for r in cur.fetchall()]
+            if not rows or rows[-1].seq != high or rows[0].seq > low:
+                raise CheckpointNotFound(run_id, high if rows and rows[0].seq <= low else low)
+            if [row.seq for row in rows] != list(range(rows[0].seq, high + 1)):
+                raise CorruptRecord("a delta in the chain is missing", run_id=run_id, seq=high)
+            bodies, _ = self._verify_rows(run_id, rows)
+            wanted: set[bytes] = set()
+            for body in bodies:
+                wanted |= _delta.blob_refs_of(body, chunks=True)
+            blob_values, _ = self._read_blobs(cur, run_id, high, wanted)
+        return rows, bodies, blob_values
+
+    def _states_in(
+        self, run_id: str, rows: Sequence[_Row], bodies: Sequence[Any], blobs: Any, want: set[int]
+    ) -> Iterator[tuple[CheckpointInfo, dict[str, Any]]]:
+        """Walk the rows of :meth:`_load_range` forward, keyframe by keyframe and delta
+        by delta, and give the state at each checkpoint in ``want`` (updated in place by
+        the next step of the walk)."""
+        state: dict[str, Any] = {}
+        keyframe = -1
+        for row, body in zip(rows, bodies, strict=True):
+            try:
+                if row.kind == _KEYFRAME:
+                    if row.keyframe_seq != row.seq:
+                        raise CorruptRecord("a keyframe names another keyframe")
+                    keyframe = row.seq
+                    state = _delta.materialise_keyframe(body, blobs, {}, None)
+                elif keyframe < 0 or row.keyframe_seq != keyframe:
+                    raise CorruptRecord("the keyframe this checkpoint depends on is missing")
+                else:
+                    ops = _delta.resolve_delta(body, blobs)
+                    _delta.apply(state, ops, where=f"checkpoint {row.seq}")
+            except CorruptRecord as exc:
+                raise CorruptRecord(exc.detail, run_id=run_id, seq=row.seq) from exc
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise CorruptRecord(
+                    f"checkpoint body is malformed ({exc!r})", run_id=run_id, seq=row.seq
+                ) from exc
+            if row.seq in want:
+                yield _row_info(run_id, row), state
 
     def _verify_rows(self, run_id: str, rows: Sequence[_Row]) -> tuple[list[Any], list[int]]:
         """Check every row against its seal (with integrity keys) and its digest, before

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -429,6 +429,34 @@ class _Writes(_Reads):
         self._remember(run_id, head)
         return head
 
+    def load_each(
+        self, run_id: str, seqs: Iterable[int]
+    ) -> Iterator[tuple[CheckpointInfo, Mapping[str, Any]]]:
+        """The states of several checkpoints of a run, oldest first, from one read: each
+        row from the first one's keyframe to the last one is read and integrity-checked
+        once, and the states are built walking forward (listing a history this way costs
+        one walk, not one load per checkpoint).
+
+        Each state is the walk's own and changes as the walk goes on: read (or copy)
+        what you need before asking for the next one. Nothing is cached.
+
+        Raises:
+            CheckpointNotFound: A checkpoint is not there (before the first state).
+            CorruptRecord: A row or blob failed its check (before the first state).
+        """
+        want = {int(s) for s in seqs}
+        if not want:
+            return iter(())
+        with self._lock:
+            self._check_open()
+            self.flush()
+        rows, bodies, blobs = self._load_range(run_id, min(want), max(want))
+        present = {row.seq for row in rows}
+        missing = sorted(want - present)
+        if missing:
+            raise CheckpointNotFound(run_id, missing[0])
+        return self._states_in(run_id, rows, bodies, blobs, want)
+
     def load(
         self,
         run_id: str,
@@ -464,6 +492,7 @@ class _Writes(_Reads):
             snap, head = self._load(run_id, seq, lazy=lazy)
             if seq is None:
                 self._remember(run_id, head)
+                snap = Snapshot(_delta.private_copy(snap.state), snap.info)
             mig = migrations or self.migrations
             if mig is None or snap.info.schema_version == mig.current:
                 return snap
@@ -528,6 +557,7 @@ class _Writes(_Reads):
                 snap, head = loaded
                 head.run = run
                 self._remember(run_id, head)
+                snap = Snapshot(_delta.private_copy(snap.state), snap.info)
             mig = migrations or self.migrations
             if mig is None or snap.info.schema_version == mig.current:
                 return run, snap

@@ -38,6 +38,7 @@ dataclasses, such as the ``onceonly`` CLI) decodes a value it cannot rebuild to 
 from __future__ import annotations
 
 import base64
+import binascii
 import dataclasses
 import datetime as _dt
 import json
@@ -108,16 +109,22 @@ class Codec:
         self._strict = strict
         self._by_type: dict[type[Any], str] = {}
         self._by_name: dict[str, type[Any]] = {}
+        self._exact: set[type[Any]] = set()
         self._decoder = json.JSONDecoder(object_hook=self._hook)
 
     # -- registry ---------------------------------------------------------------------
-    def register(self, cls: type[Any], *, name: str | None = None) -> type[Any]:
+    def register(
+        self, cls: type[Any], *, name: str | None = None, exact: bool = False
+    ) -> type[Any]:
         """Allow instances of a dataclass to be encoded.
 
         Args:
             cls: A dataclass type.
             name: The stable name stored with each value; defaults to
                 ``module.QualName``.
+            exact: Instances are immutable and ``==`` holds exactly when they encode
+                alike (a frozen dataclass of strings and bytes): the store compares
+                them with ``==`` when diffing a state instead of encoding both.
 
         Returns:
             ``cls``, so this can be used as a decorator via ``functools.partial``.
@@ -133,7 +140,15 @@ class Codec:
             raise CodecError(f"codec name {tag_name!r} is already registered for {existing!r}")
         self._by_type[cls] = tag_name
         self._by_name[tag_name] = cls
+        if exact:
+            self._exact.add(cls)
+        else:
+            self._exact.discard(cls)
         return cls
+
+    def is_exact(self, cls: type[Any]) -> bool:
+        """Whether ``cls`` was registered with ``exact=True``."""
+        return cls in self._exact
 
     @property
     def registered(self) -> dict[str, type[Any]]:
@@ -345,7 +360,9 @@ def _float(x: str) -> float:
 
 _DECODERS: dict[str, Callable[[Any], Any]] = {
     "\x00t": tuple,
-    "\x00b": lambda x: base64.b64decode(x, validate=True),
+    # strict: only the base64 alphabet with exact padding (as b64decode(validate=True)
+    # accepts), without its per-call Python checks
+    "\x00b": lambda x: binascii.a2b_base64(x, strict_mode=True),
     "\x00dt": _dt.datetime.fromisoformat,
     "\x00d": _dt.date.fromisoformat,
     "\x00dto": lambda x: _dt.datetime.fromisoformat(x[0]).replace(

@@ -544,3 +544,29 @@ def test_objects_with_pickle_hooks_are_refused_not_pickled() -> None:
 
     with pytest.raises(CodecError):
         CODEC.encode({"x": Sneaky()})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    kind: str
+    data: bytes
+
+
+def test_an_exact_class_is_diffed_by_equality_and_stored_alike() -> None:
+    """``register(exact=True)``: the store compares such values with ``==`` when it
+    diffs a state (no encoding of both); what it stores is unchanged."""
+    from onceonly.checkpoint import _delta
+
+    plain, exact = Codec(), Codec()
+    plain.register(_Leaf, name="leaf")
+    exact.register(_Leaf, name="leaf", exact=True)
+    assert exact.is_exact(_Leaf)
+    assert not plain.is_exact(_Leaf)
+    a, b, c = _Leaf("m", b"x"), _Leaf("m", b"x"), _Leaf("m", b"y")
+    for codec in (plain, exact):
+        assert _delta.same(a, b, codec)
+        assert not _delta.same(a, c, codec)
+        assert codec.decode(codec.encode(a)) == a
+    assert plain.encode([a, c]) == exact.encode([a, c])
+    exact.register(_Leaf, name="leaf")  # registered again without it: compared by encoding
+    assert not exact.is_exact(_Leaf)

@@ -6,6 +6,7 @@ operator or an attacker with database access would change the rows.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -107,12 +108,21 @@ def _assert_refused(
             if blob is not None:
                 assert exc.value.blob == blob
             assert rid in str(exc.value)
+        # The batch read (a history listing's) refuses alike.
+        numbered = [s for s in seqs if s is not None]
+        if numbered:
+            with pytest.raises(error) as exc:
+                list(store.load_each(rid, numbered))
+            assert exc.value.run_id == rid
 
 
 def _assert_loads(stores: list[Store], rid: str, seqs: list[int]) -> None:
     for store in stores:
         for seq in seqs:
             assert store.load(rid, seq).state == _states()[seq]
+        # Each state is the walk's own (updated in place by the next step): copied here.
+        walked = {info.seq: copy.deepcopy(state) for info, state in store.load_each(rid, seqs)}
+        assert walked == {seq: _states()[seq] for seq in seqs}
 
 
 def _only_blob(store: Store) -> bytes:

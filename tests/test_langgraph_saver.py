@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
 from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.types import Command
 from sqlalchemy import create_engine, text
 
 from onceonly.adapters._langgraph_values import SerdeValue, register
 from onceonly.adapters.langgraph_saver import OnceOnlySaver, copy_threads
-from onceonly.checkpoint import ConfigurationError, CorruptRecord, Store
+from onceonly.checkpoint import ConfigurationError, CorruptRecord, KeyframePolicy, Store
 from tests.langgraph_saver_graph import START_INPUT, build, config, summary
 from tests.ledger_support import K1, keyring
 
@@ -249,3 +250,54 @@ def test_copy_threads_from_sqlite_saver(db_url: str, tmp_path: Path) -> None:
             assert len(list(target.list(config("m2")))) == len(src_history["m2"])
     finally:
         conn.close()
+
+
+def _looping_graph(saver: OnceOnlySaver, turns: int) -> Any:
+    """One node that appends a message per super-step until ``turns`` were made."""
+
+    def speak(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [AIMessage(f"turn {len(state['messages'])}")]}
+
+    def more(state: MessagesState) -> str:
+        return "speak" if len(state["messages"]) <= turns else END
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("speak", speak)
+    graph.add_edge(START, "speak")
+    graph.add_conditional_edges("speak", more)
+    return graph.compile(checkpointer=saver)
+
+
+def test_list_gives_what_get_tuple_gives_across_keyframes(db_url: str) -> None:
+    """``list`` builds its checkpoints' values in batches walking forward from a keyframe
+    (one read, each row checked once): every tuple equals ``get_tuple``'s for the same
+    checkpoint, with limits, ``before`` and filters, across several keyframes."""
+    saver = OnceOnlySaver.from_url(
+        db_url, keyring=keyring(), keyframes=KeyframePolicy(max_deltas=3)
+    )
+    with saver:
+        app = _looping_graph(saver, 20)
+        cfg: Any = config("walk")
+        app.invoke({"messages": [HumanMessage("go")]}, cfg)
+        listed = list(saver.list(cfg))
+        assert len(listed) == 22  # the input and 21 turns
+        for tup in listed:
+            own = saver.get_tuple(tup.config)
+            assert own is not None
+            assert tup.config == own.config
+            assert tup.parent_config == own.parent_config
+            assert tup.metadata == own.metadata
+            assert tup.checkpoint == own.checkpoint
+            assert tup.pending_writes == own.pending_writes
+        ids = [t.config["configurable"]["checkpoint_id"] for t in listed]
+
+        def listed_ids(**kwargs: Any) -> list[str]:
+            return [t.config["configurable"]["checkpoint_id"] for t in saver.list(cfg, **kwargs)]
+
+        assert listed_ids(limit=5) == ids[:5]
+        assert listed_ids(before=listed[3].config, limit=9) == ids[4:13]
+        assert listed_ids(filter={"step": 7}) == [
+            t.config["configurable"]["checkpoint_id"] for t in listed if t.metadata["step"] == 7
+        ]
+        history = list(app.get_state_history(cfg))
+        assert [len(s.values["messages"]) for s in history[:3]] == [21, 20, 19]

@@ -237,6 +237,38 @@ def test_every_earlier_checkpoint_loads_exactly(
     assert strict_equal(reader.load(rid).state, _evolve(29))
 
 
+@pytest.mark.parametrize(
+    "seqs", [range(30), [29], [0], [3, 4, 5, 11, 12, 29], [7, 2, 7, 20]], ids=str
+)
+def test_load_each_walks_to_every_checkpoint_across_keyframes(
+    db_url: str, open_store: Callable[..., Store], seqs: Any
+) -> None:
+    """One forward walk gives each asked checkpoint's state, oldest first, equal to its
+    own load (keyframes every 5 checkpoints: the walk restarts at each)."""
+    writer = open_store(keyframes=KeyframePolicy(max_deltas=4))
+    rid = new_run(writer)
+    for i in range(30):
+        writer.save(rid, _evolve(i), step=f"s{i}")
+    for store in (writer, open_store()):
+        walked = [
+            (info.seq, info.step, strict_equal(state, _evolve(info.seq)))
+            for info, state in store.load_each(rid, seqs)
+        ]
+        assert walked == [(i, f"s{i}", True) for i in sorted(set(seqs))]
+
+
+def test_load_each_refuses_what_is_not_there(store: Store) -> None:
+    rid = new_run(store)
+    for i in range(3):
+        store.save(rid, {"n": i}, step=str(i))
+    assert list(store.load_each(rid, [])) == []
+    for seqs in ([3], [1, 5], [-1, 1]):
+        with pytest.raises(CheckpointNotFound):
+            list(store.load_each(rid, seqs))
+    with pytest.raises(CheckpointNotFound):
+        list(store.load_each("no-such-run", [0]))
+
+
 def test_update_applies_set_merge_append_and_delete(store: Store) -> None:
     rid = new_run(store)
     store.save(rid, {"profile": {"a": 1, "b": 2}, "log": ["x"], "tmp": 1, "n": 0}, step="0")

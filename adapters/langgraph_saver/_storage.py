@@ -232,14 +232,44 @@ class Storage:
 
         return self.store.read(read)
 
-    def list_item(self, row: _Row, filter: dict[str, Any] | None) -> CheckpointTuple | None:
+    def list_items(
+        self, rows: Sequence[_Row], filter: dict[str, Any] | None
+    ) -> builtins.list[CheckpointTuple]:
+        """The tuples of ``rows`` (newest first) that match ``filter``: the channel values
+        of each run's rows built in one forward walk (:meth:`Store.load_each`), not one
+        load per checkpoint."""
         if filter:
-            md = self._record(row)["m"]
-            if not all(k in md and md[k] == v for k, v in filter.items()):
-                return None
+            kept = []
+            for row in rows:
+                md = self._record(row)["m"]
+                if all(k in md and md[k] == v for k, v in filter.items()):
+                    kept.append(row)
+            rows = kept
+        if not rows:
+            return []
         with self._lock:
-            writes = self.store.read(lambda cur: self._select_writes(cur, [row]))
-            return self._tuple(row, writes)
+            writes = self.store.read(lambda cur: [self._select_writes(cur, [r]) for r in rows])
+            for row in rows:
+                self._verify(row)  # before anything of any row is decoded
+            by_run: dict[str, builtins.list[_Row]] = {}
+            for row in rows:
+                by_run.setdefault(row.run_id, []).append(row)
+            values: dict[tuple[str, int], dict[str, Any]] = {}
+            serde = self.serde
+            for run_id, run_rows in by_run.items():
+                try:
+                    for info, state in self.store.load_each(run_id, [r.seq for r in run_rows]):
+                        values[run_id, info.seq] = {k: unpack(v, serde) for k, v in state.items()}
+                except (RunNotFound, CheckpointNotFound) as exc:
+                    raise CorruptRecord(
+                        f"the channel values of a LangGraph checkpoint of thread "
+                        f"{run_rows[0].thread_id!r} are missing",
+                        run_id=run_id,
+                    ) from exc
+            return [
+                self._tuple(row, w, values=values[row.run_id, row.seq])
+                for row, w in zip(rows, writes, strict=True)
+            ]
 
     # -- delete, copy, prune -----------------------------------------------------------
     def delete_thread(self, thread_id: str) -> None:
@@ -614,7 +644,10 @@ class Storage:
                 seq=row.seq,
             ) from exc
 
-    def _tuple(self, row: _Row, writes: Iterable[Any]) -> CheckpointTuple:
+    def _tuple(
+        self, row: _Row, writes: Iterable[Any], *, values: dict[str, Any] | None = None
+    ) -> CheckpointTuple:
+        """``values``: the channel values, already built (else loaded here)."""
         # Every row is checked (seal, then digest) before anything of any is decoded.
         self._verify(row)
         checked = [
@@ -623,7 +656,8 @@ class Storage:
         ]
         rec = self._decode_record(row)
         serde = self.serde
-        values = {k: unpack(v, serde) for k, v in self._load_state(row).items()}
+        if values is None:
+            values = {k: unpack(v, serde) for k, v in self._load_state(row).items()}
         checkpoint = cast(Checkpoint, {**rec["c"], "channel_values": values})
         pending = []
         for task_id, channel, data in checked:

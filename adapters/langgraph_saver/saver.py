@@ -37,6 +37,8 @@ from ._storage import Storage
 
 T = TypeVar("T")
 
+_LIST_BATCH = 64  # checkpoints of one list() whose values are built in one forward walk
+
 
 class OnceOnlySaver(BaseCheckpointSaver[str]):
     """LangGraph's ``BaseCheckpointSaver`` on onceonly's checkpoint core (SQLite or
@@ -253,14 +255,18 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         if limit is not None and limit <= 0:
             return
         n = 0
-        for row in rows:
-            tup = self._call(self._storage.list_item, row, filter)
-            if tup is None:
-                continue
-            yield tup
-            n += 1
-            if limit is not None and n >= limit:
-                return
+        at = 0
+        batch = 1  # the first tuple at once; then batches that share one forward walk
+        while at < len(rows):
+            size = batch if limit is None else min(batch, max(limit - n, 1))
+            part = rows[at : at + size]
+            at += len(part)
+            batch = min(batch * 4, _LIST_BATCH)
+            for tup in self._call(self._storage.list_items, part, filter):
+                yield tup
+                n += 1
+                if limit is not None and n >= limit:
+                    return
 
     # -- the public API: every store call runs on the saver's one worker thread ---------
     # LangGraph calls a checkpointer from a new pool of threads on every invoke; the
