@@ -177,6 +177,7 @@ _FIRST_PAUSE_S = 0.002
 _IN_DOUBT = ("raise", "interrupt")
 _FORKS = ("replay", "act")
 _MAX_PAUSE_S = 0.05
+_NO_ACTOR = "unnamed (the resume value gave no actor)"
 
 
 class PlanNotDurable(ConfigurationError):
@@ -697,10 +698,40 @@ class ToolGuard:
             if not isinstance(decision, Mapping):
                 continue
             if decision.get("approve") == digest:
+                self._record_decision(call, request, digest, decision, "approve", "")
                 return None
             if decision.get("reject") == digest:
                 reason = str(decision.get("reason") or "the approver refused it")
+                self._record_decision(call, request, digest, decision, "reject", reason)
                 return _refused(request, "NotApproved", reason)
+
+    def _record_decision(
+        self,
+        call: _Call,
+        request: ToolCallRequest,
+        digest: str,
+        decision: Mapping[str, Any],
+        verdict: str,
+        reason: str,
+    ) -> None:
+        """The approval decision in the run's audit chain (an ``operator`` event, sealed
+        and checked by ``onceonly audit verify``), once: LangGraph gives a re-run task
+        the same resume values again, and recording the same decision again appends
+        nothing."""
+        actor = str(decision.get("actor") or "") or _NO_ACTOR
+        self.ledger.record_action(
+            call.run_id,
+            f"langgraph.approval\x1f{call.step_id}\x1f{digest}",
+            actor=actor,
+            detail={
+                "action": f"langgraph.{verdict}",
+                "tool": call.tool,
+                "args_hash": digest,
+                "step_id": call.step_id,
+                "tool_call_id": request.tool_call.get("id"),
+                "reason": reason,
+            },
+        )
 
     def _place(self, request: ToolCallRequest) -> _Call:
         tool = request.tool_call["name"]

@@ -785,7 +785,7 @@ def _targets_section(ts: Sequence[Target]) -> list[str]:
         for t in ts
     ]
     return [
-        "## Targets (defined in `bench/summary.py`)",
+        "## Targets (defined in `bench/summary.py`, `bench/w4.py` and `bench/w2lg.py`)",
         "",
         *_table(
             ["workload", "target", "system", "measured", "range over repetitions", "status"],
@@ -1009,6 +1009,7 @@ def render(results: dict[str, Any], docs: Path) -> Path:
     ts = summary.targets(s2, s3, s1)
     if "w4" in results:
         ts += w4.targets(w4.summarize(results["w4"]), results["w4"])
+    ts += w2lg.targets(results)
     pk = meta["packages"]
     lines = [
         "# Performance",
@@ -1281,6 +1282,7 @@ def console_summary(results: dict[str, Any]) -> Table:
         for name, figure, value, x in w2lg.console_rows(results):
             t.add_row("W2-LG", name, figure, value, x + TIMES)
     w4_targets = w4.targets(w4.summarize(results["w4"]), results["w4"]) if "w4" in results else []
+    w4_targets += w2lg.targets(results)
     for tg in (
         summary.targets(
             summary.summarize_w2(results["w2"]) if "w2" in results else None,

@@ -14,6 +14,10 @@ each with plain reducer channels and with ``DeltaChannel``.
 ``python -m bench.w2lg resume --system NAME --db PATH --steps S --out R.json``
     fresh process: open and ``graph.invoke(None, config)`` until the node is entered
     again (with the verified state after S steps).
+``python -m bench.w2lg history --system NAME --db PATH --steps S --out R.json``
+    fresh process: open and list the thread's whole history
+    (``graph.get_state_history(config)``, every checkpoint's state built); the newest
+    state verified, the count checked.
 
 The orchestrator (``python -m bench``, :func:`run`) alternates the systems within each
 repetition, each phase in a fresh process.
@@ -43,7 +47,7 @@ if TYPE_CHECKING:
 STEPS = 300
 SYSTEMS = ["sqlite", "sqlite-delta", "onceonly", "onceonly-delta"]
 REFERENCE = "sqlite"
-PHASES = ["write", "load", "resume"]
+PHASES = ["write", "load", "resume", "history"]
 LABELS = {
     "sqlite": "SqliteSaver, plain channels",
     "sqlite-delta": "SqliteSaver, DeltaChannel",
@@ -189,15 +193,44 @@ def load_phase(name: str, db: Path, steps: int, *, resume: bool) -> dict[str, An
     }
 
 
+def history_phase(name: str, db: Path, steps: int) -> dict[str, Any]:
+    """Fresh process: open and list the whole history (every state built)."""
+    system = _system(name)
+    _util.quiesce_gc()
+    clock = time.perf_counter
+    t0 = clock()
+    saver, close = system.open_saver(db, timed=False)
+    try:
+        graph = system._graph(saver)
+        t1 = clock()
+        history = list(graph.get_state_history(system._config(steps)))
+        t2 = clock()
+        ok, why = workload.same_state(dict(history[0].values), steps)
+        if ok and len(history) < steps:
+            ok, why = False, f"{len(history)} checkpoints listed, fewer than {steps} steps"
+    finally:
+        close()
+    return {
+        "system": name,
+        "phase": "history",
+        "steps": steps,
+        "ms": (t2 - t1) * 1e3,
+        "open_ms": (t1 - t0) * 1e3,
+        "checkpoints": len(history),
+        "verified": ok,
+        "why": why,
+    }
+
+
 # -- the orchestrator's part (called by bench.runner) ----------------------------------
 def phase_count(reps: int, samples: int) -> int:
     """How many phases W2-through-LangGraph runs (for the progress bar)."""
-    return reps * len(SYSTEMS) * (1 + 2 * samples)
+    return reps * len(SYSTEMS) * (2 + 2 * samples)
 
 
 def run(reps: int, samples: int, runner: Runner, progress: Progress, task: Any) -> dict[str, Any]:
     """Per repetition: a write phase per system, then load and resume phases per system
-    (``samples`` rounds), alternating systems."""
+    (``samples`` rounds), then a history listing per system, alternating systems."""
     # Phases run from the runner's copy of the sources: add the adapters layer.
     if not (runner.src / "adapters").exists():
         shutil.copytree(
@@ -211,6 +244,7 @@ def run(reps: int, samples: int, runner: Runner, progress: Progress, task: Any) 
         repdir = runner.tmp / "w2lg" / f"rep{rep}"
         repdir.mkdir(parents=True)
         rounds = [("write", 0)] + [(p, k) for k in range(samples) for p in ("load", "resume")]
+        rounds.append(("history", 0))
         for phase, sample in rounds:
             for name in SYSTEMS:
                 progress.update(task, description=f"W2-LG rep {rep + 1}/{reps} {phase} {name}")
@@ -263,6 +297,7 @@ def summarize(w: dict[str, Any]) -> dict[str, dict[str, Any]]:
             ("write", "write_median_ms"),
             ("load", "load_ms"),
             ("resume", "resume_ms"),
+            ("history", "history_ms"),
         ):
             mine = [r for r in ok if r["system"] == name and r["phase"] == phase]
             ref = {
@@ -286,8 +321,8 @@ def summarize(w: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 row["x_bytes"] = _util.median(
                     [r["bytes"] / refb[r["rep"]] for r in mine if r["rep"] in refb]
                 )
-            else:
-                row["verified_" + phase] = all(r["verified"] for r in mine) and bool(mine)
+            elif mine:  # (a merged earlier run may have no history phase)
+                row["verified_" + phase] = all(r["verified"] for r in mine)
         row["errors"] = [
             r["error"].splitlines()[0] for r in w["runs"] if r["system"] == name and "error" in r
         ]
@@ -312,6 +347,8 @@ def section(results: dict[str, Any]) -> list[str]:
         f"{times} SqliteSaver",
         "fresh-process resume",
         f"{times} SqliteSaver",
+        "list the history",
+        f"{times} SqliteSaver",
         "state verified",
     ]
     rows = [
@@ -326,11 +363,16 @@ def section(results: dict[str, Any]) -> list[str]:
             f"{r['x_load_ms']:.2f}{times}",
             f"{r['resume_ms']:.1f} ms",
             f"{r['x_resume_ms']:.2f}{times}",
-            "yes" if r.get("verified_load") and r.get("verified_resume") else "NO",
+            _ms(r.get("history_ms")),
+            _x(r.get("x_history_ms")),
+            "yes"
+            if all(r.get(f"verified_{p}", True) for p in ("load", "resume", "history"))
+            and r.get("verified_load")
+            else "NO",
         ]
         for r in s.values()
     ]
-    align = "lrrrrrrrrrl"
+    align = "lrrrrrrrrrrrl"
     seps = ["---:" if a == "r" else "---" for a in align]
     lines = [
         "## W2 through LangGraph — onceonly as LangGraph's checkpointer",
@@ -352,8 +394,9 @@ def section(results: dict[str, Any]) -> list[str]:
             "spent in the saver's `put` and `put_writes` during a step; bytes are the "
             "database after `wal_checkpoint(TRUNCATE)`; get_state and resume include opening "
             "the saver and compiling the graph, and resume runs `invoke(None, config)` "
-            "until the node is entered again. Ratios are to SqliteSaver with plain channels "
-            "in the same repetition."
+            "until the node is entered again; the history is `get_state_history(config)` "
+            "listed whole in a fresh process (every checkpoint's state built), timed after "
+            "the open. Ratios are to SqliteSaver with plain channels in the same repetition."
         ),
         "",
         "| " + " | ".join(head) + " |",
@@ -366,6 +409,53 @@ def section(results: dict[str, Any]) -> list[str]:
     if errors:
         lines.append("")
     return lines
+
+
+def targets(results: dict[str, Any]) -> list[Any]:
+    """The saver's targets (issues [10] and [13]): per step, get_state and the history
+    no slower than SqliteSaver with plain channels, bytes at most a tenth."""
+    from .summary import Target
+
+    if "w2lg" not in results:
+        return []
+    s = summarize(results["w2lg"])
+    times = "\N{MULTIPLICATION SIGN}"
+    out = []
+    for name in ("onceonly", "onceonly-delta"):
+        r = s.get(name)
+        if r is None:
+            continue
+        out += [
+            Target(
+                "W2-LG",
+                f"checkpointer time per step ≤ 1{times} SqliteSaver's",
+                name,
+                r["x_write_median_ms"],
+                times,
+                1.0,
+            ),
+            Target(
+                "W2-LG",
+                f"fresh-process get_state ≤ 1{times} SqliteSaver's",
+                name,
+                r["x_load_ms"],
+                times,
+                1.0,
+            ),
+            Target("W2-LG", f"bytes ≤ 0.1{times} SqliteSaver's", name, r["x_bytes"], times, 0.1),
+        ]
+        if not math.isnan(r.get("x_history_ms", math.nan)):
+            out.append(
+                Target(
+                    "W2-LG",
+                    f"listing the history ≤ 1{times} SqliteSaver's",
+                    name,
+                    r["x_history_ms"],
+                    times,
+                    1.0,
+                )
+            )
+    return out
 
 
 def console_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
@@ -385,6 +475,18 @@ def console_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return out
 
 
+def _ms(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "not measured"
+    return f"{v:.1f} ms"
+
+
+def _x(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    return f"{v:.2f}\N{MULTIPLICATION SIGN}"
+
+
 def _load(xs: Sequence[float] | None) -> str:
     return "/".join(f"{x:.1f}" for x in xs) if xs else "?"
 
@@ -399,6 +501,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.phase == "write":
         result = write_phase(a.system, a.db, a.steps)
+    elif a.phase == "history":
+        result = history_phase(a.system, a.db, a.steps)
     else:
         result = load_phase(a.system, a.db, a.steps, resume=a.phase == "resume")
     _util.emit(a.out, result)

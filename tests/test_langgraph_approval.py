@@ -206,3 +206,39 @@ def test_a_plain_interrupt_books_changed_arguments_without_a_new_prompt(
     final = app.invoke(Command(resume="yes"), config("t-1"))
     assert prompts(final) == []
     assert booked(fake) == [R99]  # approved "r-12", booked r-99
+
+
+@pytest.mark.parametrize("api", ["invoke", "ainvoke"])
+def test_each_decision_is_in_the_runs_audit_chain_once(
+    fake: FakeProvider, ledgers: Ledgers, api: str
+) -> None:
+    """Who approved or rejected which arguments is an ``operator`` event in the run's
+    audit chain, recorded once however often LangGraph replays the resume value, and
+    ``audit verify`` checks it."""
+    app, guard = guarded(fake, ledgers)
+    [prompt] = prompts(run(app, INPUT, "t-1", api))
+    change_room(app, "t-1", R99)
+    [again] = prompts(run(app, Command(resume={"approve": prompt["args_hash"]}), "t-1", api))
+    decision = {"reject": again["args_hash"], "reason": "wrong room", "actor": "ops@example.com"}
+    run(app, Command(resume=decision), "t-1", api)
+    run(app, None, "t-1", api)  # a resume with nothing pending: no new decision
+    actions = guard.ledger.operator_actions("t-1")
+    assert [(a["actor"], a["detail"]["action"], a["detail"]["args_hash"]) for a in actions] == [
+        ("ops@example.com", "langgraph.reject", again["args_hash"])
+    ]
+    assert actions[0]["detail"]["reason"] == "wrong room"
+    assert actions[0]["detail"]["tool"] == "book_room"
+    assert booked(fake) == []
+    assert guard.ledger.verify().ok
+
+
+def test_an_approval_without_an_actor_is_recorded_as_unnamed(
+    fake: FakeProvider, ledgers: Ledgers
+) -> None:
+    app, guard = guarded(fake, ledgers)
+    [prompt] = prompts(app.invoke(INPUT, config("t-1")))
+    app.invoke(Command(resume={"approve": prompt["args_hash"]}), config("t-1"))
+    [action] = guard.ledger.operator_actions("t-1")
+    assert action["detail"]["action"] == "langgraph.approve"
+    assert action["actor"].startswith("unnamed")
+    assert booked(fake) == [R12]
