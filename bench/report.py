@@ -1152,6 +1152,11 @@ def render(results: dict[str, Any], docs: Path) -> Path:
     startup_json = Path(__file__).resolve().parent / "results" / "startup.json"
     if startup_json.exists():  # written by `python -m bench startup --json ...`
         lines += startup.section(json.loads(startup_json.read_text(encoding="utf-8")))
+    agent_json = Path(__file__).resolve().parent / "results" / "agent.json"
+    if agent_json.exists():  # written by `python -m bench agent --json ...`
+        from . import agent
+
+        lines += agent.section(json.loads(agent_json.read_text(encoding="utf-8")))
     engines_json = Path(__file__).resolve().parent / "results" / "engines.json"
     if engines_json.exists():  # written by `python -m bench engines --json ...`
         from . import engines  # imports temporalio: only when there are figures

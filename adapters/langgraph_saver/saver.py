@@ -256,12 +256,12 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             return
         n = 0
         at = 0
-        batch = 1  # the first tuple at once; then batches that share one forward walk
         while at < len(rows):
-            size = batch if limit is None else min(batch, max(limit - n, 1))
+            # Batches whose values are built in one forward walk (no more than a limit
+            # asks for: a filter may skip some, then the next batch reads on).
+            size = _LIST_BATCH if limit is None else min(_LIST_BATCH, max(limit - n, 1))
             part = rows[at : at + size]
             at += len(part)
-            batch = min(batch * 4, _LIST_BATCH)
             for tup in self._call(self._storage.list_items, part, filter):
                 yield tup
                 n += 1

@@ -1,0 +1,341 @@
+"""``python -m bench agent``: LangGraph checkpointers under a tool-calling agent.
+
+The graph is the shape of an agent: a scripted ``model`` node (no LLM) asks for one
+``lookup`` tool call per turn (an ``AIMessage`` of ~270 characters with its tool call),
+a ``ToolNode`` answers it (a ``ToolMessage`` of ~300 characters), ``tools_condition``
+loops back; after ``--turns`` turns the model answers and the run ends
+(``durability="sync"``, 2 x turns + 3 checkpoints). The same graph runs with LangGraph's
+``SqliteSaver``, its ``InMemorySaver`` and onceonly's ``OnceOnlySaver`` (SQLite, sealed
+with a keyring), systems alternating within each repetition, each phase a fresh process:
+
+* ``run``: the whole conversation; wall and process CPU time per checkpoint (the
+  invoke's time over the checkpoints it wrote), then ``get_state_history`` listed whole
+  in the same process; database bytes after ``wal_checkpoint(TRUNCATE)``.
+* ``fresh`` (the two that persist): a new process opens the saver, compiles the graph and
+  reads ``get_state`` (timed from before the open), then lists the history whole.
+
+Figures are medians over repetitions; ratios are to SqliteSaver in the same repetition.
+``--json bench/results/agent.json`` feeds docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = ["sqlite", "memory", "onceonly"]
+LABELS = {
+    "sqlite": "SqliteSaver",
+    "memory": "InMemorySaver",
+    "onceonly": "OnceOnlySaver (SQLite, sealed)",
+}
+PERSISTENT = ["sqlite", "onceonly"]
+
+
+def _graph(saver: Any, turns: int) -> Any:
+    from langchain_core.messages import AIMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    @tool
+    def lookup(q: str) -> str:
+        """Look something up."""
+        return ("result for " + q + " ") * 20
+
+    def model(state: MessagesState) -> dict[str, Any]:
+        n = sum(1 for m in state["messages"] if isinstance(m, ToolMessage))
+        if n >= turns:
+            return {"messages": [AIMessage("done")]}
+        call = {"name": "lookup", "args": {"q": f"q{n}"}, "id": f"c{n}"}
+        return {"messages": [AIMessage("thinking " * 30, tool_calls=[call])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("model", model)
+    graph.add_node("tools", ToolNode([lookup]))
+    graph.add_edge(START, "model")
+    graph.add_conditional_edges("model", tools_condition)
+    graph.add_edge("tools", "model")
+    return graph.compile(checkpointer=saver)
+
+
+def _saver(system: str, db: Path) -> tuple[Any, Any]:
+    if system == "memory":
+        from langgraph.checkpoint.memory import InMemorySaver
+
+        return InMemorySaver(), lambda: None
+    if system == "sqlite":
+        import sqlite3
+
+        from langgraph.checkpoint.sqlite import SqliteSaver
+
+        conn = sqlite3.connect(db, check_same_thread=False)
+        return SqliteSaver(conn), conn.close
+    from onceonly.adapters.langgraph_saver import OnceOnlySaver
+    from onceonly.ledger import Keyring, Secret
+
+    keys = Keyring([Secret("k1", bytes(range(32)))])
+    saver = OnceOnlySaver.from_url(f"sqlite:///{db}", keyring=keys)
+    return saver, saver.close
+
+
+def _imports(system: str) -> None:
+    """What the phase imports before its clock starts (the graph's modules, the saver's)."""
+    import importlib
+
+    names = ["langgraph.graph", "langgraph.prebuilt"]
+    if system == "sqlite":
+        names.append("langgraph.checkpoint.sqlite")
+    elif system == "onceonly":
+        names += ["onceonly.adapters.langgraph_saver", "onceonly.ledger"]
+    for name in names:
+        importlib.import_module(name)
+
+
+def _bytes(db: Path) -> int:
+    import sqlite3
+
+    if not db.exists():
+        return 0
+    conn = sqlite3.connect(db)
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+    return sum(p.stat().st_size for p in db.parent.glob(db.name + "*"))
+
+
+CONFIG: Any = {"configurable": {"thread_id": "agent-1"}}
+
+
+def run_phase(system: str, db: Path, turns: int) -> dict[str, Any]:
+    _imports(system)
+    saver, close = _saver(system, db)
+    try:
+        app = _graph(saver, turns)
+        t0, c0 = time.perf_counter(), time.process_time()
+        app.invoke({"messages": [("user", "go")]}, CONFIG, durability="sync")
+        t1, c1 = time.perf_counter(), time.process_time()
+        history = list(app.get_state_history(CONFIG))
+        t2 = time.perf_counter()
+        n = len(history)
+        last = len(history[0].values["messages"])
+    finally:
+        close()
+    return {
+        "system": system,
+        "phase": "run",
+        "checkpoints": n,
+        "messages": last,
+        "step_ms": (t1 - t0) / n * 1e3,
+        "step_cpu_ms": (c1 - c0) / n * 1e3,
+        "history_ms": (t2 - t1) * 1e3,
+        "bytes": _bytes(db) if system in PERSISTENT else None,
+        "verified": last == 2 * turns + 2,
+    }
+
+
+def fresh_phase(system: str, db: Path, turns: int) -> dict[str, Any]:
+    _imports(system)
+    t0 = time.perf_counter()
+    saver, close = _saver(system, db)
+    try:
+        app = _graph(saver, turns)
+        state = app.get_state(CONFIG)
+        t1 = time.perf_counter()
+        history = list(app.get_state_history(CONFIG))
+        t2 = time.perf_counter()
+    finally:
+        close()
+    return {
+        "system": system,
+        "phase": "fresh",
+        "get_state_ms": (t1 - t0) * 1e3,
+        "history_ms": (t2 - t1) * 1e3,
+        "checkpoints": len(history),
+        "verified": len(state.values["messages"]) == 2 * turns + 2,
+    }
+
+
+def _child(phase: str, system: str, db: Path, turns: int) -> dict[str, Any]:
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench.agent", "--phase", phase, "--system", system),
+            *("--db", str(db), "--turns", str(turns)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if out.returncode != 0:
+        return {"system": system, "phase": phase, "error": out.stderr.strip()[-2000:]}
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _median(xs: Sequence[float]) -> float:
+    import statistics
+
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per system: medians over repetitions, and ratios to SqliteSaver per repetition."""
+    runs = [r for r in data["runs"] if "error" not in r]
+    figures = {
+        "run": ["step_ms", "step_cpu_ms", "history_ms", "bytes"],
+        "fresh": ["get_state_ms", "history_ms"],
+    }
+    out: dict[str, dict[str, Any]] = {}
+    for system in data["systems"]:
+        row: dict[str, Any] = {"label": LABELS.get(system, system)}
+        for phase, keys in figures.items():
+            mine = [r for r in runs if r["system"] == system and r["phase"] == phase]
+            ref = {r["rep"]: r for r in runs if r["system"] == "sqlite" and r["phase"] == phase}
+            for key in keys:
+                name = f"{phase}_{key}"
+                vals = [r[key] for r in mine if r.get(key) is not None]
+                row[name] = _median(vals)
+                row["x_" + name] = _median(
+                    [
+                        r[key] / ref[r["rep"]][key]
+                        for r in mine
+                        if r.get(key) and r["rep"] in ref and ref[r["rep"]].get(key)
+                    ]
+                )
+            if mine:
+                row["verified_" + phase] = all(r["verified"] for r in mine)
+        row["errors"] = [
+            r["error"].splitlines()[-1]
+            for r in data["runs"]
+            if r["system"] == system and "error" in r
+        ]
+        out[system] = row
+    return out
+
+
+def _cell(v: float, fmt: str, unit: str) -> str:
+    return "—" if math.isnan(v) else f"{v:{fmt}}{unit}"  # NaN: not measured for this system
+
+
+def _pair(r: dict[str, Any], key: str, fmt: str, unit: str, scale: float = 1.0) -> str:
+    x = "\N{MULTIPLICATION SIGN}"
+    return f"{_cell(r[key] * scale, fmt, unit)} ({_cell(r['x_' + key], '.2f', x)})"
+
+
+def section(data: dict[str, Any]) -> list[str]:
+    """The agent section of docs/performance.md."""
+    s = summarize(data)
+    m = data["meta"]
+    ratio = "(\N{MULTIPLICATION SIGN} SqliteSaver)"
+    head = [
+        "checkpointer",
+        f"per checkpoint, wall {ratio}",
+        f"per checkpoint, CPU {ratio}",
+        f"list the history, same process {ratio}",
+        f"fresh open + get_state {ratio}",
+        f"list the history, fresh process {ratio}",
+        f"bytes {ratio}",
+        "verified",
+    ]
+    rows = []
+    for r in s.values():
+        verified = all(v for k, v in r.items() if k.startswith("verified_")) and not r["errors"]
+        rows.append(
+            [
+                r["label"],
+                _pair(r, "run_step_ms", ".2f", " ms"),
+                _pair(r, "run_step_cpu_ms", ".2f", " ms"),
+                _pair(r, "run_history_ms", ".0f", " ms"),
+                _pair(r, "fresh_get_state_ms", ".1f", " ms"),
+                _pair(r, "fresh_history_ms", ".0f", " ms"),
+                _pair(r, "run_bytes", ".2f", " MB", 1e-6),
+                "yes" if verified else "NO",
+            ]
+        )
+    lines = [
+        "## LangGraph checkpointers under a tool-calling agent",
+        "",
+        (
+            f"Measured {m['started_utc']} with {m['runs']} repetitions of a {m['turns']}-turn "
+            f"agent ({2 * m['turns'] + 3} checkpoints) in {m['duration_s'] / 60:.1f} min "
+            f"(load average {m['loadavg_start']} at the start); `python -m bench agent --json "
+            "bench/results/agent.json`. The graph and phases are described in "
+            "`bench/agent.py`: a scripted model asking for one tool call per turn, a "
+            '`ToolNode`, `durability="sync"`, each phase in a fresh process with the graph\'s '
+            "and the saver's modules imported before the clock starts. Ratios are to "
+            "SqliteSaver in the same repetition."
+        ),
+        "",
+        "| " + " | ".join(head) + " |",
+        "| --- | " + " | ".join("---:" for _ in head[1:-1]) + " | --- |",
+        *["| " + " | ".join(r) + " |" for r in rows],
+        "",
+    ]
+    lines += [f"- {n} failed: `{e}`" for n, r in s.items() for e in r["errors"]]
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench agent", description=__doc__)
+    p.add_argument("--phase", choices=["run", "fresh"], help="one phase (a child process)")
+    p.add_argument("--system", choices=SYSTEMS)
+    p.add_argument("--db", type=Path)
+    p.add_argument("--turns", type=int, default=50)
+    p.add_argument("--runs", type=int, default=5, help="repetitions")
+    p.add_argument("--json", type=Path, help="write the results here")
+    a = p.parse_args(argv)
+    if a.phase:
+        phase = run_phase if a.phase == "run" else fresh_phase
+        print(json.dumps(phase(a.system, a.db, a.turns)))
+        return 0
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    load0 = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    t0 = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="onceonly-bench-agent-") as tmp:
+        for rep in range(a.runs):
+            order = SYSTEMS[rep % len(SYSTEMS) :] + SYSTEMS[: rep % len(SYSTEMS)]
+            for system in order:
+                db = Path(tmp) / f"{rep}-{system}.db"
+                runs.append({"rep": rep, **_child("run", system, db, a.turns)})
+            for system in [s for s in order if s in PERSISTENT]:
+                db = Path(tmp) / f"{rep}-{system}.db"
+                runs.append({"rep": rep, **_child("fresh", system, db, a.turns)})
+            print(f"agent rep {rep + 1}/{a.runs} done", file=sys.stderr)
+    data = {
+        "systems": SYSTEMS,
+        "runs": runs,
+        "meta": {
+            "started_utc": started,
+            "runs": a.runs,
+            "turns": a.turns,
+            "duration_s": time.perf_counter() - t0,
+            "loadavg_start": load0,
+            "python": platform.python_version(),
+        },
+    }
+    for line in section(data):
+        print(line)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
