@@ -24,6 +24,8 @@ types of a graph's state schema itself when it compiles (``with_msgpack_allowlis
 from __future__ import annotations
 
 import importlib
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -58,6 +60,8 @@ _NAMED = (
     EXT_PYDANTIC_V2,
 )
 _OPT = ormsgpack.OPT_NON_STR_KEYS
+_CHECKED = 8192  # encodings a serializer remembers as checked
+_CHECKED_MAX_BYTES = 16384  # larger ones are checked every time
 _PLAIN_FORMATS = ("null", "bytes", "bytearray")
 
 
@@ -133,6 +137,11 @@ class StrictSerializer(JsonPlusSerializer):
                 classes[key] = entry
         self._classes = classes
         self.allowed: frozenset[tuple[str, str]] = frozenset(names)
+        # Encodings this serializer already checked (pass 1 accepted them): the allow-list
+        # never changes, so the same bytes pass again. A history listing decodes each
+        # message once per checkpoint that holds it.
+        self._checked: OrderedDict[bytes, None] = OrderedDict()
+        self._checked_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"StrictSerializer(<{len(self.allowed)} allowed types>)"
@@ -163,7 +172,7 @@ class StrictSerializer(JsonPlusSerializer):
             raise CodecError(f"LangGraph's serializer cannot encode this value: {exc}") from exc
         if type_ == "msgpack":
             try:
-                _Check(self.allowed).run(data)
+                self._check(data)
             except UnregisteredType as exc:
                 names = ", ".join(n.rsplit(".", 1)[-1] for n in exc.type_name.split(", "))
                 raise CodecError(
@@ -195,8 +204,22 @@ class StrictSerializer(JsonPlusSerializer):
                 f"saver's serializer never writes and does not read (it may construct "
                 f"arbitrary objects)",
             )
-        _Check(self.allowed).run(raw)
+        self._check(raw)
         return _Build(self._classes).run(raw)
+
+    def _check(self, raw: bytes) -> None:
+        """Pass 1 (:class:`_Check`), unless these exact bytes passed it before."""
+        key = bytes(raw)
+        with self._checked_lock:
+            if key in self._checked:
+                self._checked.move_to_end(key)
+                return
+        _Check(self.allowed).run(key)
+        if len(key) <= _CHECKED_MAX_BYTES:
+            with self._checked_lock:
+                self._checked[key] = None
+                while len(self._checked) > _CHECKED:
+                    self._checked.popitem(last=False)
 
 
 class _Pass:

@@ -14,6 +14,11 @@ with a keyring), systems alternating within each repetition, each phase a fresh 
 * ``fresh`` (the two that persist): a new process opens the saver, compiles the graph and
   reads ``get_state`` (timed from before the open), then lists the history whole.
 
+Before each timed region the phase collects and freezes the heap (``_util.quiesce_gc``),
+as every bench phase does: otherwise whether one full collection of the heap left by the
+imports and the run (70-80 ms here) lands in one system's window depends on allocation
+counts.
+
 Figures are medians over repetitions; ratios are to SqliteSaver in the same repetition.
 ``--json bench/results/agent.json`` feeds docs/performance.md.
 """
@@ -33,6 +38,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from ._util import quiesce_gc
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ["sqlite", "memory", "onceonly"]
@@ -125,9 +132,12 @@ def run_phase(system: str, db: Path, turns: int) -> dict[str, Any]:
     saver, close = _saver(system, db)
     try:
         app = _graph(saver, turns)
+        quiesce_gc()
         t0, c0 = time.perf_counter(), time.process_time()
         app.invoke({"messages": [("user", "go")]}, CONFIG, durability="sync")
         t1, c1 = time.perf_counter(), time.process_time()
+        quiesce_gc()
+        t1b = time.perf_counter()
         history = list(app.get_state_history(CONFIG))
         t2 = time.perf_counter()
         n = len(history)
@@ -141,7 +151,7 @@ def run_phase(system: str, db: Path, turns: int) -> dict[str, Any]:
         "messages": last,
         "step_ms": (t1 - t0) / n * 1e3,
         "step_cpu_ms": (c1 - c0) / n * 1e3,
-        "history_ms": (t2 - t1) * 1e3,
+        "history_ms": (t2 - t1b) * 1e3,
         "bytes": _bytes(db) if system in PERSISTENT else None,
         "verified": last == 2 * turns + 2,
     }
@@ -149,11 +159,13 @@ def run_phase(system: str, db: Path, turns: int) -> dict[str, Any]:
 
 def fresh_phase(system: str, db: Path, turns: int) -> dict[str, Any]:
     _imports(system)
+    quiesce_gc()
     t0 = time.perf_counter()
     saver, close = _saver(system, db)
     try:
         app = _graph(saver, turns)
         state = app.get_state(CONFIG)
+        quiesce_gc()
         t1 = time.perf_counter()
         history = list(app.get_state_history(CONFIG))
         t2 = time.perf_counter()
@@ -277,8 +289,8 @@ def section(data: dict[str, Any]) -> list[str]:
             "bench/results/agent.json`. The graph and phases are described in "
             "`bench/agent.py`: a scripted model asking for one tool call per turn, a "
             '`ToolNode`, `durability="sync"`, each phase in a fresh process with the graph\'s '
-            "and the saver's modules imported before the clock starts. Ratios are to "
-            "SqliteSaver in the same repetition."
+            "and the saver's modules imported, and the heap collected and frozen, before each "
+            "clock starts. Ratios are to SqliteSaver in the same repetition."
         ),
         "",
         "| " + " | ".join(head) + " |",

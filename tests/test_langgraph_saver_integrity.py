@@ -406,11 +406,23 @@ def test_an_unregistered_type_is_refused_before_any_constructor_runs() -> None:
     with pytest.raises(UnregisteredType, match="Order"):
         StrictSerializer(allow=[Basket]).loads_typed(stored)
     assert BUILT == []
-    # Registered, both are built.
+    # Refused again by the same serializer (only accepted encodings are remembered).
+    basket_only = StrictSerializer(allow=[Basket])
+    for _ in range(2):
+        with pytest.raises(UnregisteredType, match="Order"):
+            basket_only.loads_typed(stored)
+    assert BUILT == []
+    # Registered, both are built, each time (an encoding checked before is not checked
+    # again, but its value is always built anew).
     both = StrictSerializer(allow=[Basket, Order])
     built = both.loads_typed(stored)
     assert BUILT == ["Order(a)", "Basket"]
     assert built == Basket([Order("a", 1)])
+    BUILT.clear()
+    again = both.loads_typed(stored)
+    assert BUILT == ["Order(a)", "Basket"]
+    assert again == built
+    assert again is not built
     # Formats that may construct anything are refused outright.
     for fmt in ("json", "pickle"):
         with pytest.raises(UnregisteredType, match=fmt):
