@@ -136,6 +136,7 @@ class StrictSerializer(JsonPlusSerializer):
             if isinstance(entry, type):
                 classes[key] = entry
         self._classes = classes
+        self._resolved: dict[tuple[str, str], Callable[..., Any]] = dict(classes)  # grows
         self.allowed: frozenset[tuple[str, str]] = frozenset(names)
         # Encodings this serializer already checked (pass 1 accepted them): the allow-list
         # never changes, so the same bytes pass again. A history listing decodes each
@@ -205,7 +206,7 @@ class StrictSerializer(JsonPlusSerializer):
                 f"arbitrary objects)",
             )
         self._check(raw)
-        return _Build(self._classes).run(raw)
+        return _Build(self._resolved).run(raw)
 
     def _check(self, raw: bytes) -> None:
         """Pass 1 (:class:`_Check`), unless these exact bytes passed it before."""
@@ -316,7 +317,7 @@ class _Check(_Pass):
 class _Build(_Pass):
     """Pass 2 (after pass 1 accepted the value): build it, as LangGraph's decoder does."""
 
-    def __init__(self, classes: dict[tuple[str, str], type]) -> None:
+    def __init__(self, classes: dict[tuple[str, str], Callable[..., Any]]) -> None:
         super().__init__()
         self.classes = classes
 
@@ -325,6 +326,9 @@ class _Build(_Pass):
         if found is not None:
             return found
         obj: Callable[..., Any] = getattr(importlib.import_module(module), name)
+        # Remembered for the serializer's later passes (pass 1 admitted the name; the
+        # map is the serializer's own, and only allowed names ever reach it).
+        self.classes[(module, name)] = obj
         return obj
 
     def ext(self, code: int, data: bytes) -> Any:
