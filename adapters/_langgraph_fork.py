@@ -134,21 +134,27 @@ class Lineage:
         if hit:
             return found
         parent = _parent_id(tup)
+        oldest = ""  # the thread's oldest fork: nothing older is in a fork's lineage
         if (
             _source(tup) != "fork"
             and parent is not None
             and not self._remembered((thread_id, ns, parent))[0]
-            and not self._forks(thread_id, ns)
         ):
-            # No fork in the thread (one filtered list): no climb.
-            self._remember((thread_id, ns, _id(tup)), None)
-            return None
+            oldest = self._oldest_fork(thread_id, ns)
+            if not oldest:
+                # No fork in the thread (one filtered list): no climb.
+                self._remember((thread_id, ns, _id(tup)), None)
+                return None
         climbed: list[Any] = []
         cur: Any = tup
         while True:
             key = (thread_id, ns, _id(cur))
             hit, found = self._remembered(key)
             if hit:
+                break
+            if oldest and _id(cur) < oldest:  # ids are time-ordered: older than any fork
+                found = None
+                self._remember(key, None)
                 break
             if _source(cur) == "fork":
                 found = self._of_fork(thread_id, ns, cur)
@@ -168,9 +174,11 @@ class Lineage:
             self._remember((thread_id, ns, _id(hop)), found)
         return found
 
-    def _forks(self, thread_id: str, ns: str) -> bool:
+    def _oldest_fork(self, thread_id: str, ns: str) -> str:
+        """The id of the thread's oldest fork checkpoint; "" when it has none."""
         cfg = {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns}}
-        return any(True for _ in self._list(cfg, filter={"source": "fork"}, limit=1))
+        forks = self._list(cfg, filter={"source": "fork"})
+        return min((_id(t) for t in forks if _source(t) == "fork"), default="")
 
     def _of_fork(self, thread_id: str, ns: str, fork: Any) -> Equivalent | None:
         parent = _parent_id(fork)

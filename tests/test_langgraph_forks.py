@@ -199,3 +199,36 @@ def test_forks_from_an_earlier_super_step_act_again_when_asked_to(
     app.invoke(None, start)
     app.invoke(None, start)
     assert booked(fake) == [R12, R12, R12]
+
+
+class CountingSaver(InMemorySaver):
+    """Counts the checkpoints the guard reads back (``get_tuple``)."""
+
+    reads = 0
+
+    def get_tuple(self, config: Any) -> Any:
+        self.reads += 1
+        return super().get_tuple(config)
+
+
+def test_placing_a_fork_does_not_read_the_whole_thread(
+    fake: FakeProvider, ledgers: Ledgers
+) -> None:
+    """A long thread forked near its end: the guard climbs from the fork to the
+    checkpoint it copies and stops at the thread's oldest fork (checkpoint ids are
+    time-ordered), instead of reading every checkpoint back to the first."""
+    tools = Tools(fake.url, notify_failures=0)
+    saver = CountingSaver()
+    app = build(tools, saver, ToolGuard(ledgers.fresh(), policies={"notify": NOTIFY}))
+    for turn in range(12):
+        app.invoke({"messages": [("user", f"turn {turn}: book r-12")]}, CONFIG)
+    history = list(app.get_state_history(CONFIG))
+    assert len(history) > 50
+    past = next(h.config for h in history if h.next == ("tools",))  # the newest
+    made = len(booked(fake))
+    # A new guard (as in a fresh process): nothing of the thread is remembered.
+    app = build(tools, saver, ToolGuard(ledgers.fresh(), policies={"notify": NOTIFY}))
+    saver.reads = 0
+    app.invoke(None, past)
+    assert len(booked(fake)) == made  # replayed
+    assert saver.reads < 20, saver.reads
