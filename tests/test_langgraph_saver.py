@@ -11,10 +11,11 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypedDict
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
+from langgraph.channels import DeltaChannel
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.types import Command
@@ -301,3 +302,57 @@ def test_list_gives_what_get_tuple_gives_across_keyframes(db_url: str) -> None:
         ]
         history = list(app.get_state_history(cfg))
         assert [len(s.values["messages"]) for s in history[:3]] == [21, 20, 19]
+
+
+def _concat_batch(current: list[str], writes: Any) -> list[str]:
+    out = list(current)
+    for w in writes:
+        out.extend(w)
+    return out
+
+
+class _DeltaState(TypedDict):
+    log: Annotated[list[str], DeltaChannel(_concat_batch, snapshot_frequency=7)]
+    n: int
+
+
+def _delta_graph(saver: OnceOnlySaver, turns: int) -> Any:
+    def step(state: _DeltaState) -> dict[str, Any]:
+        return {"log": [f"line {state['n']}"], "n": state["n"] + 1}
+
+    def more(state: _DeltaState) -> str:
+        return "step" if state["n"] < turns else END
+
+    graph = StateGraph(_DeltaState)
+    graph.add_node("step", step)
+    graph.add_edge(START, "step")
+    graph.add_conditional_edges("step", more)
+    return graph.compile(checkpointer=saver)
+
+
+def test_delta_channel_history_matches_langgraphs_walk(db_url: str) -> None:
+    """``get_delta_channel_history`` (ancestors built in batches) gives what LangGraph's
+    default walk (one ``get_tuple`` per ancestor) gives, for every checkpoint of a
+    ``DeltaChannel`` thread across snapshots and keyframes; the states read back agree."""
+    from langgraph.checkpoint.base import BaseCheckpointSaver
+
+    saver = OnceOnlySaver.from_url(
+        db_url, keyring=keyring(), keyframes=KeyframePolicy(max_deltas=3)
+    )
+    with saver:
+        app = _delta_graph(saver, 30)
+        cfg: Any = config("delta")
+        app.invoke({"log": [], "n": 0}, cfg)
+        history = list(app.get_state_history(cfg))
+        assert len(history) == 32
+        for snap in history:
+            ours = saver.get_delta_channel_history(config=snap.config, channels=["log", "n"])
+            default = BaseCheckpointSaver.get_delta_channel_history(
+                saver, config=snap.config, channels=["log", "n"]
+            )
+            assert ours == default
+        assert history[0].values["log"] == [f"line {i}" for i in range(30)]
+        assert [len(s.values.get("log", [])) for s in history[:3]] == [30, 29, 28]
+        assert saver.get_delta_channel_history(config=cfg, channels=[]) == {}
+        ours = asyncio.run(saver.aget_delta_channel_history(config=cfg, channels=["log"]))
+        assert ours == saver.get_delta_channel_history(config=cfg, channels=["log"])

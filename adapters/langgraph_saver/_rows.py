@@ -20,6 +20,7 @@ from onceonly.ledger import Keyring
 _FLOW = "langgraph"
 _RUN_CACHE = 4096
 _ATTEMPTS = 3
+_DELTA_BATCH = 64  # ancestors of one delta-channel walk built per forward walk of the store
 _CK_COLS = (
     "thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, run_id, seq, lg_run_id, "
     "record, digest, seal"

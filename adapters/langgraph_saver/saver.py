@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
@@ -17,6 +17,7 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
+    DeltaChannelHistory,
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
@@ -313,6 +314,26 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         replaced, as in LangGraph's own savers.
         """
         self._call(self._storage.put_writes, config, writes, task_id, task_path)
+
+    def get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        """LangGraph's ``DeltaChannel`` history (its walk up the parent chain, with the
+        same result as the default one), the ancestors built in batches that share one
+        forward walk of the store instead of one ``get_tuple`` each.
+
+        Raises:
+            CorruptRecord: A row, delta, blob or write failed its integrity check.
+        """
+        found = self._call(self._storage.delta_history, config, list(channels))
+        return cast(Mapping[str, DeltaChannelHistory], found)
+
+    async def aget_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        """:meth:`get_delta_channel_history`, awaiting the saver's worker thread."""
+        found = await self._acall(self._storage.delta_history, config, list(channels))
+        return cast(Mapping[str, DeltaChannelHistory], found)
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The checkpoint ``config`` names, or the namespace's latest without a
