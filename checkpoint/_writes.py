@@ -442,7 +442,9 @@ class _Writes(_Reads):
 
         Raises:
             CheckpointNotFound: A checkpoint is not there (before the first state).
-            CorruptRecord: A row or blob failed its check (before the first state).
+            CorruptRecord: A row or blob failed its check (every row and blob is checked
+                before the first state); or, during the walk, a checked body that cannot
+                be applied.
         """
         want = {int(s) for s in seqs}
         if not want:

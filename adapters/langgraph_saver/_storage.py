@@ -165,20 +165,7 @@ class Storage:
         conf = _conf(config)
         thread_id = str(conf["thread_id"])
         ns = str(conf.get("checkpoint_ns", ""))
-        cid = get_checkpoint_id(config)
-        q = self._q
-        if cid:
-            sql = (
-                f"SELECT {_CK_COLS} FROM oo_lg_checkpoints WHERE thread_id = {q} AND "
-                f"checkpoint_ns = {q} AND checkpoint_id = {q}"
-            )
-            params: tuple[Any, ...] = (thread_id, ns, str(cid))
-        else:
-            sql = (
-                f"SELECT {_CK_COLS} FROM oo_lg_checkpoints WHERE thread_id = {q} AND "
-                f"checkpoint_ns = {q} ORDER BY checkpoint_id DESC LIMIT 1"
-            )
-            params = (thread_id, ns)
+        sql, params = self._row_query(thread_id, ns, get_checkpoint_id(config))
 
         def read(cur: Any) -> tuple[_Row | None, list[Any]]:
             cur.execute(sql, params)
@@ -288,7 +275,7 @@ class Storage:
         collected: dict[str, builtins.list[Any]] = {c: [] for c in channels}
         seed: dict[str, Any] = {}
         remaining = set(channels)
-        target = self._row_at(thread_id, ns, str(cid)) if cid else self._latest_row(thread_id, ns)
+        target = self._row_at(thread_id, ns, str(cid) if cid else None)
         cursor = None if target is None else target.parent_checkpoint_id
         batch = 4
         while cursor and remaining:
@@ -318,29 +305,26 @@ class Storage:
             out[ch] = entry
         return out
 
-    def _row_at(self, thread_id: str, ns: str, checkpoint_id: str) -> _Row | None:
+    def _row_query(
+        self, thread_id: str, ns: str, checkpoint_id: str | None
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The statement reading checkpoint ``checkpoint_id``'s row, or the namespace's
+        latest without one."""
         q = self._q
         sql = (
-            f"SELECT {_CK_COLS} FROM oo_lg_checkpoints WHERE thread_id = {q} AND "
-            f"checkpoint_ns = {q} AND checkpoint_id = {q}"
+            f"SELECT {_CK_COLS} FROM oo_lg_checkpoints "
+            f"WHERE thread_id = {q} AND checkpoint_ns = {q}"
         )
+        if checkpoint_id:
+            return f"{sql} AND checkpoint_id = {q}", (thread_id, ns, str(checkpoint_id))
+        return f"{sql} ORDER BY checkpoint_id DESC LIMIT 1", (thread_id, ns)
+
+    def _row_at(self, thread_id: str, ns: str, checkpoint_id: str | None) -> _Row | None:
+        """Checkpoint ``checkpoint_id``'s row (the namespace's latest without one)."""
+        sql, params = self._row_query(thread_id, ns, checkpoint_id)
 
         def read(cur: Any) -> _Row | None:
-            cur.execute(sql, (thread_id, ns, checkpoint_id))
-            found = cur.fetchone()
-            return None if found is None else _Row.of(found)
-
-        return self.store.read(read)
-
-    def _latest_row(self, thread_id: str, ns: str) -> _Row | None:
-        q = self._q
-        sql = (
-            f"SELECT {_CK_COLS} FROM oo_lg_checkpoints WHERE thread_id = {q} AND "
-            f"checkpoint_ns = {q} ORDER BY checkpoint_id DESC LIMIT 1"
-        )
-
-        def read(cur: Any) -> _Row | None:
-            cur.execute(sql, (thread_id, ns))
+            cur.execute(sql, params)
             found = cur.fetchone()
             return None if found is None else _Row.of(found)
 
