@@ -356,3 +356,146 @@ def test_delta_channel_history_matches_langgraphs_walk(db_url: str) -> None:
         assert saver.get_delta_channel_history(config=cfg, channels=[]) == {}
         ours = asyncio.run(saver.aget_delta_channel_history(config=cfg, channels=["log"]))
         assert ours == saver.get_delta_channel_history(config=cfg, channels=["log"])
+
+
+def _walks_agree(saver: OnceOnlySaver, app: Any, cfg: Any, channels: list[str]) -> int:
+    """Every checkpoint of the thread (all branches): our walk equals LangGraph's."""
+    from langgraph.checkpoint.base import BaseCheckpointSaver
+
+    n = 0
+    for snap in app.get_state_history(cfg):
+        ours = saver.get_delta_channel_history(config=snap.config, channels=channels)
+        default = BaseCheckpointSaver.get_delta_channel_history(
+            saver, config=snap.config, channels=channels
+        )
+        assert ours == default, snap.config
+        n += 1
+    return n
+
+
+def test_delta_channel_walk_across_forks_with_fresh_values_and_old_records(
+    db_url: str,
+) -> None:
+    """The walk follows parent links through a thread whose branches interleave (a fork
+    taken mid-thread and run on); what it hands out is new on every call (a reducer
+    that changes its input changes nothing stored or remembered); checkpoints whose
+    records predate naming their channels take the batched walk, with the same result."""
+    from onceonly.adapters import _langgraph_schema as schema
+    from onceonly.adapters._langgraph_values import seal, unseal
+    from onceonly.checkpoint import Codec
+
+    saver = OnceOnlySaver.from_url(
+        db_url, keyring=keyring(), keyframes=KeyframePolicy(max_deltas=3)
+    )
+    with saver:
+        app = _delta_graph(saver, 24)
+        cfg: Any = config("forked")
+        app.invoke({"log": [], "n": 0}, cfg)
+        history = list(app.get_state_history(cfg))
+        fork = app.update_state(history[15].config, {"n": 40})
+        app.invoke(None, fork)
+        assert _walks_agree(saver, app, cfg, ["log", "n"]) > len(history)
+
+        latest = app.get_state(cfg).config
+        first = saver.get_delta_channel_history(config=latest, channels=["log"])
+        expected = saver.get_delta_channel_history(config=latest, channels=["log"])
+        assert first == expected
+        first["log"]["seed"].value.append("changed")
+        for write in first["log"]["writes"]:
+            write[2].append("changed")
+        assert saver.get_delta_channel_history(config=latest, channels=["log"]) == expected
+        assert "changed" not in str(app.get_state(cfg).values)
+
+        # Records as written before they named their channels (resealed with the key).
+        keys = saver._storage.keys
+        codec = Codec()
+        register(codec)
+        rows = _sql(
+            db_url,
+            "SELECT thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, run_id, "
+            "seq, lg_run_id, record FROM oo_lg_checkpoints WHERE thread_id = 'forked'",
+        )
+        for tid, ns, cid, parent, rid, seq, lg_run, record in rows:
+            rec = codec.decode(unseal(bytes(record)))
+            del rec["k"]
+            old = seal(codec.encode(rec))
+            parts = schema.checkpoint_parts(tid, ns, cid, parent, rid, seq, lg_run, old)
+            _sql(
+                db_url,
+                "UPDATE oo_lg_checkpoints SET record = :r, digest = :d, seal = :s "
+                "WHERE thread_id = :t AND checkpoint_ns = :n AND checkpoint_id = :c",
+                r=old,
+                d=schema.checkpoint_digest(parts),
+                s=schema.make_seal(keys, schema.CHECKPOINTS, parts),
+                t=tid,
+                n=ns,
+                c=cid,
+            )
+        assert _walks_agree(saver, app, cfg, ["log", "n"]) > len(history)
+
+
+def test_delta_channel_walk_refuses_rows_edited_after_it_read_them(db_url: str) -> None:
+    """A walk reuses what it verified only for rows whose content is unchanged: a write
+    or a checkpoint row edited (digest recomputed, no key) after earlier walks read it
+    is refused by the next walk."""
+    from onceonly.adapters import _langgraph_schema as schema
+    from onceonly.adapters._langgraph_values import seal
+    from onceonly.checkpoint import Codec
+
+    saver = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    with saver:
+        app = _delta_graph(saver, 12)
+        cfg: Any = config("edited")
+        app.invoke({"log": [], "n": 0}, cfg)
+        latest = app.get_state(cfg).config
+        before = saver.get_delta_channel_history(config=latest, channels=["log"])
+        assert len(before["log"]["writes"]) >= 2
+        codec = Codec()
+        register(codec)
+        ((tid, ns, cid, task, idx, channel, path),) = _sql(
+            db_url,
+            "SELECT thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, task_path "
+            "FROM oo_lg_writes WHERE thread_id = 'edited' AND channel = 'log' "
+            "ORDER BY checkpoint_id DESC LIMIT 1",
+        )
+        forged = seal(codec.encode(["forged line"]))
+        parts = schema.write_parts(tid, ns, cid, task, idx, channel, path, forged)
+        _sql(
+            db_url,
+            "UPDATE oo_lg_writes SET value = :v, digest = :d WHERE thread_id = :t AND "
+            "checkpoint_id = :c AND task_id = :k AND idx = :i",
+            v=forged,
+            d=schema.write_digest(parts),
+            t=tid,
+            c=cid,
+            k=task,
+            i=idx,
+        )
+        with pytest.raises(CorruptRecord, match="keyed seal"):
+            saver.get_delta_channel_history(config=latest, channels=["log"])
+
+        # A checkpoint row pointed at another parent: refused, not followed.
+        cfg = config("moved")
+        app.invoke({"log": [], "n": 0}, cfg)
+        latest = app.get_state(cfg).config
+        assert saver.get_delta_channel_history(config=latest, channels=["log"])["log"]["writes"]
+        rows = _sql(
+            db_url,
+            "SELECT thread_id, checkpoint_ns, checkpoint_id, parent_checkpoint_id, run_id, "
+            "seq, lg_run_id, record FROM oo_lg_checkpoints WHERE thread_id = 'moved' "
+            "ORDER BY checkpoint_id",
+        )
+        tid, ns, cid, _parent, rid, seq, lg_run, record = rows[-3]
+        moved = rows[0][2]
+        parts = schema.checkpoint_parts(tid, ns, cid, moved, rid, seq, lg_run, bytes(record))
+        _sql(
+            db_url,
+            "UPDATE oo_lg_checkpoints SET parent_checkpoint_id = :p, digest = :d "
+            "WHERE thread_id = :t AND checkpoint_id = :c",
+            p=moved,
+            d=schema.checkpoint_digest(parts),
+            t=tid,
+            c=cid,
+        )
+        with pytest.raises(CorruptRecord, match="keyed seal"):
+            saver.get_delta_channel_history(config=latest, channels=["log"])

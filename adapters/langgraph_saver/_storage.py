@@ -45,6 +45,8 @@ from ._rows import (
     _DELTA_BATCH,
     _FLOW,
     _RUN_CACHE,
+    _WALK_ROWS,
+    _WALK_SEEDS,
     _WRITE_COLS,
     _conf,
     _Row,
@@ -68,6 +70,11 @@ class Storage:
         self._q = store.param
         self._lock = threading.RLock()
         self._runs: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # Delta-channel walks (see delta_history): rows already verified, by their exact
+        # content, and the seeds already built, by the exact row that names them.
+        self._walk_keys: RowKeys | None = None
+        self._walk_rows: OrderedDict[Any, Any] = OrderedDict()
+        self._walk_seeds: OrderedDict[Any, Any] = OrderedDict()
 
     @property
     def keys(self) -> RowKeys | None:
@@ -101,7 +108,9 @@ class Storage:
         values = {k: pack(v, serde) for k, v in checkpoint["channel_values"].items()}
         rest = {k: v for k, v in checkpoint.items() if k != "channel_values"}
         md = dict(get_serializable_checkpoint_metadata(config, metadata))
-        record = seal(self._codec.encode(pack({"c": rest, "m": md}, serde)))
+        # "k": the channels this checkpoint holds a value for, so that a delta-channel
+        # walk finds its seed without building every ancestor's state.
+        record = seal(self._codec.encode(pack({"c": rest, "m": md, "k": sorted(values)}, serde)))
         lg_run = None if md.get("run_id") is None else str(md["run_id"])
         step = f"{md.get('source', '')}:{md.get('step', '')}"[:200]
         with self._lock:
@@ -264,7 +273,214 @@ class Storage:
     ) -> dict[str, dict[str, Any]]:
         """:meth:`OnceOnlySaver.get_delta_channel_history`: LangGraph's walk up the parent
         chain (each ancestor's pending writes for the channels, until one holds the
-        channel's value: the seed), with the ancestors' tuples built in batches that
+        channel's value: the seed), with the same result as its default walk.
+
+        The ancestors' rows are read in pages and each is verified (seal, digest) before
+        it is used; which channels an ancestor holds is in its record, so only the seed's
+        state is built. A row (or write) whose exact content was verified before is not
+        verified again, and a seed already built for the exact row that names it is
+        reused: LangGraph walks once per listed checkpoint, over mostly the same
+        ancestors. Values are handed out as new objects on every call. Checkpoints
+        written before their records named their channels take the batched walk
+        (:meth:`_delta_history_built`).
+
+        Raises:
+            CorruptRecord: A row, delta, blob or write failed its integrity check.
+        """
+        if not channels:
+            return {}
+        conf = _conf(config)
+        thread_id = str(conf["thread_id"])
+        ns = str(conf.get("checkpoint_ns", ""))
+        cid = get_checkpoint_id(config)
+        collected: dict[str, builtins.list[Any]] = {c: [] for c in channels}
+        seed: dict[str, Any] = {}
+        remaining = set(channels)
+        serde = self.serde
+        with self._lock:
+            if self._walk_keys is not self.keys:  # other keys: nothing verified holds
+                self._walk_rows.clear()
+                self._walk_seeds.clear()
+                self._walk_keys = self.keys
+            target = self._row_at(thread_id, ns, str(cid) if cid else None)
+            if target is not None:
+                self._walk_record(target)  # its parent link is followed: verified first
+            cursor = None if target is None else target.parent_checkpoint_id
+            size = 8
+            while cursor and remaining:
+                page = self._ancestor_page(thread_id, ns, cursor, size)
+                size = min(size * 4, 256)
+                chain: builtins.list[_Row] = []
+                while cursor and cursor in page:
+                    row = page[cursor]
+                    chain.append(row)
+                    cursor = row.parent_checkpoint_id
+                if not chain:
+                    break  # the parent's row is gone: the walk ends there, as LangGraph's
+                records: builtins.list[set[str]] = []
+                unseeded = set(remaining)
+                for row in chain:  # up to the last seed this page holds
+                    held = self._walk_record(row)
+                    if held is None:
+                        return self._delta_history_built(config, channels)
+                    records.append(held)
+                    unseeded -= held
+                    if not unseeded:
+                        break
+                chain = chain[: len(records)]
+                writes = self._walk_writes(chain, remaining)
+                for row, held in zip(chain, records, strict=True):
+                    for task_id, channel, packed in reversed(writes.get(row.checkpoint_id, [])):
+                        if channel in remaining:
+                            collected[channel].append((task_id, channel, unpack(packed, serde)))
+                    found = [c for c in channels if c in remaining and c in held]
+                    if found:
+                        for ch, packed in self._walk_seed(row, found).items():
+                            seed[ch] = unpack(packed, serde)
+                        remaining.difference_update(found)
+                    if not remaining:
+                        break
+        return self._history_out(channels, collected, seed)
+
+    @staticmethod
+    def _history_out(
+        channels: Sequence[str], collected: dict[str, builtins.list[Any]], seed: dict[str, Any]
+    ) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for ch in channels:
+            entry: dict[str, Any] = {"writes": builtins.list(reversed(collected[ch]))}
+            if ch in seed:
+                entry["seed"] = seed[ch]
+            out[ch] = entry
+        return out
+
+    def _ancestor_page(self, thread_id: str, ns: str, newest: str, size: int) -> dict[str, _Row]:
+        """Up to ``size`` rows of the namespace from checkpoint ``newest`` down (ids are
+        time-ordered: every ancestor of a checkpoint has a smaller id), by id."""
+        q = self._q
+        sql = (
+            f"SELECT {_CK_COLS} FROM oo_lg_checkpoints WHERE thread_id = {q} AND "
+            f"checkpoint_ns = {q} AND checkpoint_id <= {q} ORDER BY checkpoint_id DESC "
+            f"LIMIT {int(size)}"
+        )
+
+        def read(cur: Any) -> dict[str, _Row]:
+            cur.execute(sql, (thread_id, ns, newest))
+            return {str(r[2]): _Row.of(r) for r in cur.fetchall()}
+
+        return self.store.read(read)
+
+    def _remember(self, memo: OrderedDict[Any, Any], key: Any, value: Any, limit: int) -> None:
+        memo[key] = value
+        while len(memo) > limit:
+            memo.popitem(last=False)
+
+    def _walk_record(self, row: _Row) -> set[str] | None:
+        """The channels checkpoint ``row`` holds a value for (None: its record predates
+        naming them); the row verified (seal, then digest) unless this exact content was."""
+        memo = self._walk_rows
+        if row in memo:
+            memo.move_to_end(row)
+            held: set[str] | None = memo[row]
+            return held
+        self._verify(row)
+        names = self._decode_record(row).get("k")
+        held = None
+        if names is not None:
+            if type(names) is not list or not all(type(n) is str for n in names):
+                raise CorruptRecord(
+                    f"the record of LangGraph checkpoint {row.checkpoint_id!r} is malformed",
+                    run_id=row.run_id,
+                    seq=row.seq,
+                )
+            held = set(names)
+        self._remember(memo, row, held, _WALK_ROWS)
+        return held
+
+    def _walk_writes(
+        self, chain: Sequence[_Row], channels: Iterable[str]
+    ) -> dict[str, builtins.list[tuple[str, str, Any]]]:
+        """The pending writes to ``channels`` of the ``chain``'s checkpoints (one
+        statement), each verified unless its exact content was, their values decoded but
+        not built (:func:`unpack` builds them). Writes to other channels are not read
+        (a walk never uses them)."""
+        first = chain[0]
+        q = self._q
+        ids = [row.checkpoint_id for row in chain]
+        names = sorted(channels)
+        rows_by_id = {row.checkpoint_id: row for row in chain}
+        sql = (
+            f"SELECT checkpoint_id, {_WRITE_COLS} FROM oo_lg_writes "
+            f"WHERE thread_id = {q} AND checkpoint_ns = {q} AND checkpoint_id IN "
+            f"({', '.join([q] * len(ids))}) AND channel IN ({', '.join([q] * len(names))}) "
+            "ORDER BY checkpoint_id, task_path, task_id, idx"
+        )
+        params = (first.thread_id, first.checkpoint_ns, *ids, *names)
+
+        def read(cur: Any) -> builtins.list[Any]:
+            cur.execute(sql, params)
+            return builtins.list(cur.fetchall())
+
+        out: dict[str, builtins.list[tuple[str, str, Any]]] = {}
+        memo = self._walk_rows
+        for r in self.store.read(read):
+            cid = str(r[0])
+            key = ("w", first.thread_id, first.checkpoint_ns, *map(_hashable, r))
+            if key in memo:
+                memo.move_to_end(key)
+                write = memo[key]
+            else:
+                row = rows_by_id[cid]
+                task_id, channel, data = self._verified_write(
+                    first.thread_id, first.checkpoint_ns, cid, r[1:], row
+                )
+                write = (task_id, channel, self._decoded_write(row, data))
+                self._remember(memo, key, write, _WALK_ROWS)
+            out.setdefault(cid, []).append(write)
+        return out
+
+    def _decoded_write(self, row: _Row, data: bytes) -> Any:
+        try:
+            return self._codec.decode(unseal(data))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecord(
+                f"a pending write of LangGraph checkpoint {row.checkpoint_id!r} is unreadable",
+                run_id=row.run_id,
+                seq=row.seq,
+            ) from exc
+
+    def _walk_seed(self, row: _Row, channels: Sequence[str]) -> dict[str, Any]:
+        """The stored (not built) values of ``channels`` at checkpoint ``row``, whose
+        record says it holds them: its state loaded (every row verified) unless a seed
+        was built before for this exact row.
+
+        Raises:
+            CorruptRecord: The state does not hold a channel its record names.
+        """
+        memo = self._walk_seeds
+        key = (row, tuple(channels))
+        if key in memo:
+            memo.move_to_end(key)
+            values: dict[str, Any] = memo[key]
+            return values
+        state = self._load_state(row)
+        missing = [c for c in channels if c not in state]
+        if missing:
+            raise CorruptRecord(
+                f"LangGraph checkpoint {row.checkpoint_id!r} holds no value for "
+                f"{', '.join(map(repr, missing))}, which its record names",
+                run_id=row.run_id,
+                seq=row.seq,
+            )
+        values = {c: state[c] for c in channels}
+        self._remember(memo, key, values, _WALK_SEEDS)
+        return values
+
+    def _delta_history_built(
+        self, config: RunnableConfig, channels: Sequence[str]
+    ) -> dict[str, dict[str, Any]]:
+        """:meth:`delta_history` for checkpoints whose records do not name their
+        channels (written before they did): the ancestors' tuples built in batches that
         share one forward walk (the default walk builds each with a ``get_tuple``)."""
         if not channels:
             return {}
@@ -297,13 +513,7 @@ class Storage:
                     remaining.discard(ch)
                 if not remaining:
                     break
-        out: dict[str, dict[str, Any]] = {}
-        for ch in channels:
-            entry: dict[str, Any] = {"writes": builtins.list(reversed(collected[ch]))}
-            if ch in seed:
-                entry["seed"] = seed[ch]
-            out[ch] = entry
-        return out
+        return self._history_out(channels, collected, seed)
 
     def _row_query(
         self, thread_id: str, ns: str, checkpoint_id: str | None
@@ -823,3 +1033,8 @@ class Storage:
             self.store.transact(write)
         finally:
             self._runs.pop((thread_id, ns), None)
+
+
+def _hashable(v: Any) -> Any:
+    """A column value as a dict key (drivers may return a buffer for a blob)."""
+    return bytes(v) if isinstance(v, memoryview | bytearray) else v
