@@ -384,7 +384,15 @@ class Storage:
             held: set[str] | None = memo[row]
             return held
         self._verify(row)
-        names = self._decode_record(row).get("k")
+        try:  # decoded, not built: the names are plain strings; nothing else is used
+            rec = self._codec.decode(unseal(row.record))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecord(
+                f"the record of LangGraph checkpoint {row.checkpoint_id!r} is unreadable",
+                run_id=row.run_id,
+                seq=row.seq,
+            ) from exc
+        names = rec.get("k") if isinstance(rec, dict) and "c" in rec and "m" in rec else ()
         held = None
         if names is not None:
             if type(names) is not list or not all(type(n) is str for n in names):
