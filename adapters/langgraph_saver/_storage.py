@@ -245,7 +245,7 @@ class Storage:
         if not rows:
             return []
         with self._lock:
-            writes = self.store.read(lambda cur: [self._select_writes(cur, [r]) for r in rows])
+            writes = self.store.read(lambda cur: self._writes_of(cur, rows))
             for row in rows:
                 self._verify(row)  # before anything of any row is decoded
             by_run: dict[str, builtins.list[_Row]] = {}
@@ -264,7 +264,7 @@ class Storage:
                         run_id=run_id,
                     ) from exc
             return [
-                self._tuple(row, w, values=values[row.run_id, row.seq])
+                self._tuple(row, w, values=values[row.run_id, row.seq], verified=True)
                 for row, w in zip(rows, writes, strict=True)
             ]
 
@@ -805,6 +805,27 @@ class Storage:
             f"ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id, task_id, idx) {action}"
         )
 
+    def _writes_of(self, cur: Any, rows: Sequence[_Row]) -> builtins.list[builtins.list[Any]]:
+        """The pending-write rows of each of ``rows`` (as :meth:`_select_writes` orders
+        them), one statement per thread and namespace among them."""
+        q = self._q
+        groups: dict[tuple[str, str], builtins.list[str]] = {}
+        for row in rows:
+            groups.setdefault((row.thread_id, row.checkpoint_ns), []).append(row.checkpoint_id)
+        found: dict[tuple[str, str, str], builtins.list[Any]] = {}
+        for (thread_id, ns), ids in groups.items():
+            cur.execute(
+                f"SELECT checkpoint_id, {_WRITE_COLS} FROM oo_lg_writes "
+                f"WHERE thread_id = {q} AND checkpoint_ns = {q} AND checkpoint_id IN "
+                f"({', '.join([q] * len(ids))}) ORDER BY checkpoint_id, task_path, task_id, idx",
+                (thread_id, ns, *ids),
+            )
+            for r in cur.fetchall():
+                found.setdefault((thread_id, ns, str(r[0])), []).append(tuple(r[1:]))
+        return [
+            found.get((row.thread_id, row.checkpoint_ns, row.checkpoint_id), []) for row in rows
+        ]
+
     def _select_writes(self, cur: Any, rows: Sequence[_Row]) -> builtins.list[Any]:
         q = self._q
         out: builtins.list[Any] = []
@@ -922,11 +943,18 @@ class Storage:
             ) from exc
 
     def _tuple(
-        self, row: _Row, writes: Iterable[Any], *, values: dict[str, Any] | None = None
+        self,
+        row: _Row,
+        writes: Iterable[Any],
+        *,
+        values: dict[str, Any] | None = None,
+        verified: bool = False,
     ) -> CheckpointTuple:
-        """``values``: the channel values, already built (else loaded here)."""
+        """``values``: the channel values, already built (else loaded here);
+        ``verified``: the caller checked ``row`` (else it is checked here)."""
         # Every row is checked (seal, then digest) before anything of any is decoded.
-        self._verify(row)
+        if not verified:
+            self._verify(row)
         checked = [
             self._verified_write(row.thread_id, row.checkpoint_ns, row.checkpoint_id, w, row)
             for w in writes
