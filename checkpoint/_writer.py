@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from . import _engine
@@ -14,7 +14,7 @@ from ._engine import classify, is_integrity_error, translate
 from ._retry import retried
 from ._sql import _row_parts
 from ._state import _Barrier, _Pending
-from .errors import ConcurrentWrite, CorruptRecord
+from .errors import ConcurrentWrite, ConfigurationError, CorruptRecord
 from .failpoints import failpoint
 from .integrity import _make_seal as seal
 from .records import Durability
@@ -46,7 +46,9 @@ class _Writer(_Blobs):
                 self._flush_locked_pending()
         self._check_open()
 
-    def transact(self, fn: Callable[[Any], T], *, idempotent: bool = False) -> T:
+    def transact(
+        self, fn: Callable[[Any], T], *, idempotent: bool = False, together: Iterable[str] = ()
+    ) -> T:
         """Run ``fn(cursor)`` in a write transaction behind the write barrier.
 
         Every checkpoint saved before this call is committed in the same transaction as
@@ -64,6 +66,14 @@ class _Writer(_Blobs):
             fn: Receives a DBAPI cursor (parameter marker :attr:`param`).
             idempotent: Running ``fn`` again after its COMMIT may have gone through is
                 harmless: a lost COMMIT is retried too instead of raised.
+            together: Run ids whose checkpoints waiting in ``exit`` mode commit together
+                with ``fn``'s statements or not at all, without savepoints: if ``fn``
+                raises, or one of them cannot be written (another writer advanced its
+                run: :class:`ConcurrentWrite`), nothing of this transaction commits,
+                they are dropped (those runs' next save builds on the stored head) and
+                the error is raised here. Other runs' waiting checkpoints are written
+                first, in a transaction of their own, as always. Refused in ``async``
+                mode, whose group commit isolates its members.
 
         Returns:
             What ``fn`` returned.
@@ -71,14 +81,21 @@ class _Writer(_Blobs):
         Raises:
             StoreError: The transaction could not be committed (nothing of it is durable),
                 or, with ``may_have_committed`` set, its COMMIT's answer was lost.
+            ConfigurationError: ``together`` on a store that writes in ``async`` mode.
         """
         return self.retry.call(
-            "run a transaction", lambda: self._transact(fn), idempotent=idempotent
+            "run a transaction", lambda: self._transact(fn, together), idempotent=idempotent
         )
 
-    def _transact(self, fn: Callable[[Any], T]) -> T:
+    def _transact(self, fn: Callable[[Any], T], together: Iterable[str] = ()) -> T:
         self._check_open()
         is_async = self._writer is not None
+        runs = frozenset(together)
+        if runs and is_async:
+            raise ConfigurationError(
+                "transact(together=...) needs a store in exit or sync mode: an async "
+                "store's group commit isolates every member"
+            )
         barrier = _Barrier(fn, waits=is_async)
         if is_async:
             if self._pending:
@@ -92,7 +109,9 @@ class _Writer(_Blobs):
             # surfaces on the next call, never as this call's error.
         else:
             with self._lock:
-                if self.durability is Durability.EXIT or self._pending:
+                if runs and self._pending:
+                    self._write_together(barrier, runs)
+                elif self.durability is Durability.EXIT or self._pending:
                     self._write_exit([barrier])
                 else:
                     self._write_batch([], [barrier])
@@ -113,8 +132,9 @@ class _Writer(_Blobs):
         A group commit isolates its members: each queued checkpoint is written in its
         own savepoint, so one that lost a race to another writer (ConcurrentWrite) is
         left out and the others, and every participant's work, still commit. Only a
-        synchronous save (``isolate=False``: its caller waits for it) gets its
-        ConcurrentWrite raised.
+        synchronous save, or a ``transact(together=True)`` (``isolate=False``: its caller
+        waits for it), gets its ConcurrentWrite raised; then a participant runs without
+        a savepoint too, and its error rolls back the whole transaction.
 
         The hot path uses the pooled DBAPI connection with fixed SQL: one statement per
         row, no ORM, no per-call statement compilation.
@@ -151,8 +171,9 @@ class _Writer(_Blobs):
             for i, part in enumerate(participants):
                 if part.fn is None:
                     continue
-                if solo:
-                    # Alone in its transaction: an error rolls back just its own work.
+                if solo or not isolate:
+                    # Alone in its transaction (an error rolls back just its own work), or
+                    # committing together with the checkpoints (an error rolls back all).
                     part.result = part.fn(cur)
                     continue
                 cur.execute(f"SAVEPOINT oo_p{i}")
@@ -305,6 +326,29 @@ class _Writer(_Blobs):
                 target=self._write_loop, name="onceonly-checkpoint-writer", daemon=True
             )
             self._writer.start()
+
+    def _write_together(self, barrier: _Barrier, runs: frozenset[str]) -> None:
+        """:meth:`transact` with ``together``, under the lock: other runs' pending
+        checkpoints first (as :meth:`_write_exit` writes them), then those of ``runs``
+        and ``barrier``'s work in one transaction, all or nothing."""
+        ours = [p for p in self._pending if p.run_id in runs]
+        others = [p for p in self._pending if p.run_id not in runs]
+        if others:
+            self._pending = others
+            try:
+                self._write_exit([])
+            except BaseException:
+                self._pending = ours  # still waiting, for a later transaction
+                raise
+        self._pending = []
+        try:
+            self._write_batch(ours, [barrier], isolate=False)
+        except BaseException:
+            for p in ours:
+                self._heads.pop(p.run_id, None)
+            self._written(ours, [])
+            raise
+        self._written(ours, [])
 
     def _write_exit(self, participants: Sequence[_Barrier]) -> None:
         """``exit`` mode: write every pending checkpoint (and ``participants``' work) in

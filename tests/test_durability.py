@@ -21,6 +21,8 @@ from sqlalchemy.engine import make_url
 from onceonly.checkpoint import (
     AsyncWriteError,
     CheckpointLost,
+    ConcurrentWrite,
+    ConfigurationError,
     Durability,
     Store,
 )
@@ -295,6 +297,100 @@ def test_async_conflict_of_one_run_spares_the_group_commit(
     writer.save(rid, {"v": 2}, step="w2")
     writer.flush()
     assert other.load(rid).state == {"v": 2}
+
+
+def _table(store: Store) -> None:
+    store.transact(lambda cur: cur.execute("CREATE TABLE IF NOT EXISTS t_together (v TEXT)"))
+
+
+def _rows(store: Store) -> list[str]:
+    def read(cur: Any) -> list[str]:
+        cur.execute("SELECT v FROM t_together ORDER BY v")
+        return [str(r[0]) for r in cur.fetchall()]
+
+    return store.read(read)
+
+
+def test_exit_mode_transact_together_commits_all_or_nothing(
+    open_store: Callable[..., Store],
+) -> None:
+    """``transact(fn, together=[run])``: the run's waiting checkpoints and ``fn``'s
+    statements commit together or not at all (without ``together``, a failing ``fn``
+    leaves the checkpoints committed); a bystander run's waiting checkpoint is written
+    on its own, and commits whatever ``fn`` does; after a failure the run's next save
+    builds on its stored head."""
+    writer = open_store(durability="exit")
+    reader = open_store()
+    _table(writer)
+    q = writer.param
+    rid = writer.create_run("flow").run_id
+    bystander = writer.create_run("flow").run_id
+    writer.save(rid, {"v": 0}, step="0")
+    writer.save(bystander, {"b": 0}, step="b0")
+    writer.flush()
+
+    def fails(cur: Any) -> None:
+        cur.execute(f"INSERT INTO t_together (v) VALUES ({q})", ("failed",))
+        raise RuntimeError("fn failed")
+
+    writer.save(rid, {"v": 1}, step="1")
+    writer.save(bystander, {"b": 1}, step="b1")
+    with pytest.raises(RuntimeError, match="fn failed"):
+        writer.transact(fails, together=[rid])
+    assert [h.step for h in reader.history(rid)] == ["0"]
+    assert reader.load(bystander).state == {"b": 1}  # written first, on its own
+    assert _rows(reader) == []
+    assert writer.load(rid).state == {"v": 0}
+
+    writer.save(rid, {"v": 2}, step="2")
+    writer.transact(
+        lambda cur: cur.execute(f"INSERT INTO t_together (v) VALUES ({q})", ("ok",)),
+        together=[rid],
+    )
+    assert [h.step for h in reader.history(rid)] == ["0", "2"]
+    assert reader.load(rid).state == {"v": 2}
+    assert _rows(reader) == ["ok"]
+
+    # Control: without together, the checkpoint commits although fn failed.
+    writer.save(rid, {"v": 3}, step="3")
+    with pytest.raises(RuntimeError, match="fn failed"):
+        writer.transact(fails)
+    assert [h.step for h in reader.history(rid)] == ["0", "2", "3"]
+    assert _rows(reader) == ["ok"]
+
+
+def test_exit_mode_transact_together_raises_a_lost_race_and_commits_nothing(
+    open_store: Callable[..., Store],
+) -> None:
+    writer = open_store(durability="exit")
+    other = open_store()
+    _table(writer)
+    q = writer.param
+    rid = writer.create_run("flow").run_id
+    writer.save(rid, {"v": 0}, step="0")
+    writer.flush()
+    other.load(rid)
+    other.save(rid, {"v": "other"}, step="o1")
+    writer.save(rid, {"v": 1}, step="w1")
+    with pytest.raises(ConcurrentWrite):
+        writer.transact(
+            lambda cur: cur.execute(f"INSERT INTO t_together (v) VALUES ({q})", ("w",)),
+            together=[rid],
+        )
+    assert [h.step for h in other.history(rid)] == ["0", "o1"]
+    assert _rows(other) == []
+    assert writer.load(rid).state == {"v": "other"}  # the stored head, nothing to report
+    writer.save(rid, {"v": 2}, step="w2")
+    writer.transact(lambda cur: None, together=[rid])
+    assert [h.step for h in other.history(rid)] == ["0", "o1", "w2"]
+
+
+def test_transact_together_is_refused_by_an_async_store(
+    open_store: Callable[..., Store],
+) -> None:
+    writer = open_store(durability="async")
+    with pytest.raises(ConfigurationError, match="together"):
+        writer.transact(lambda cur: None, together=["r"])
 
 
 # -- real processes -------------------------------------------------------------------------

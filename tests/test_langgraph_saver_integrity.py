@@ -479,3 +479,33 @@ def test_a_version_1_database_is_migrated_then_sealed(db_url: str, engine: Engin
         tup = saver.get_tuple(_config("v1"))
     assert tup is not None
     assert tup.checkpoint["channel_values"]["n"] == 1
+
+
+def test_a_put_whose_record_fails_leaves_no_values_behind(
+    db_url: str, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put is one transaction without savepoints: when writing the checkpoint's record
+    fails, its channel values are not committed either (no store checkpoint without a
+    LangGraph row), and the next put builds on the last stored one."""
+    from onceonly.adapters.langgraph_saver._storage import Storage
+
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        _put(saver, i=1)
+        before = fetch(engine, "SELECT count(*) FROM oo_checkpoints")[0][0]
+        real = Storage._upsert_row
+
+        def refuse(self: Storage, cur: Any, *args: Any) -> None:
+            real(self, cur, *args)
+            raise RuntimeError("the database refused the record")
+
+        monkeypatch.setattr(Storage, "_upsert_row", refuse)
+        with pytest.raises(RuntimeError, match="refused the record"):
+            _put(saver, i=2)
+        assert fetch(engine, "SELECT count(*) FROM oo_checkpoints")[0][0] == before
+        assert fetch(engine, "SELECT count(*) FROM oo_lg_checkpoints")[0][0] == 1
+        monkeypatch.setattr(Storage, "_upsert_row", real)
+        _put(saver, i=3)
+        tup = saver.get_tuple(_config())
+        assert tup is not None
+        assert tup.checkpoint["channel_values"]["n"] == 3
+        assert fetch(engine, "SELECT count(*) FROM oo_checkpoints")[0][0] == before + 1

@@ -125,7 +125,8 @@ class Storage:
                             cur, thread_id, ns, cid, parent, run_id, seq, lg_run, record
                         )
 
-                    self.store.transact(write)
+                    # All or nothing: the values and the record, no savepoints.
+                    self.store.transact(write, together=(run_id,))
                     break
                 except (ConcurrentWrite, RunNotFound, _Stale):
                     self._runs.pop((thread_id, ns), None)
