@@ -20,7 +20,6 @@ from onceonly.ledger import Keyring
 _FLOW = "langgraph"
 _RUN_CACHE = 4096
 _ATTEMPTS = 3
-_DELTA_BATCH = 64  # ancestors of one delta-channel walk built per forward walk of the store
 _WALK_ROWS = 4096  # rows and writes a saver remembers as verified for delta-channel walks
 _WALK_SEEDS = 8  # delta-channel seeds a saver keeps built (stored form)
 _CK_COLS = (

@@ -42,7 +42,6 @@ from onceonly.checkpoint import (
 from ._rows import (
     _ATTEMPTS,
     _CK_COLS,
-    _DELTA_BATCH,
     _FLOW,
     _RUN_CACHE,
     _WALK_ROWS,
@@ -281,19 +280,16 @@ class Storage:
         state is built. A row (or write) whose exact content was verified before is not
         verified again, and a seed already built for the exact row that names it is
         reused: LangGraph walks once per listed checkpoint, over mostly the same
-        ancestors. Values are handed out as new objects on every call. Checkpoints
-        written before their records named their channels take the batched walk
-        (:meth:`_delta_history_built`).
+        ancestors. Values are handed out as new objects on every call. For a
+        checkpoint written before records named their channels, its state is loaded
+        to learn them.
 
         Raises:
             CorruptRecord: A row, delta, blob or write failed its integrity check.
         """
         if not channels:
             return {}
-        conf = _conf(config)
-        thread_id = str(conf["thread_id"])
-        ns = str(conf.get("checkpoint_ns", ""))
-        cid = get_checkpoint_id(config)
+        thread_id, ns, cid = _where(config)
         collected: dict[str, builtins.list[Any]] = {c: [] for c in channels}
         seed: dict[str, Any] = {}
         remaining = set(channels)
@@ -303,7 +299,7 @@ class Storage:
                 self._walk_rows.clear()
                 self._walk_seeds.clear()
                 self._walk_keys = self.keys
-            target = self._row_at(thread_id, ns, str(cid) if cid else None)
+            target = self._row_at(thread_id, ns, cid)
             if target is not None:
                 self._walk_record(target)  # its parent link is followed: verified first
             cursor = None if target is None else target.parent_checkpoint_id
@@ -322,8 +318,6 @@ class Storage:
                 unseeded = set(remaining)
                 for row in chain:  # up to the last seed this page holds
                     held = self._walk_record(row)
-                    if held is None:
-                        return self._delta_history_built(config, channels)
                     records.append(held)
                     unseeded -= held
                     if not unseeded:
@@ -376,33 +370,29 @@ class Storage:
         while len(memo) > limit:
             memo.popitem(last=False)
 
-    def _walk_record(self, row: _Row) -> set[str] | None:
-        """The channels checkpoint ``row`` holds a value for (None: its record predates
-        naming them); the row verified (seal, then digest) unless this exact content was."""
+    def _walk_record(self, row: _Row) -> set[str]:
+        """The channels checkpoint ``row`` holds a value for, from its record (one that
+        predates naming them: from its state, loaded); the row verified (seal, then
+        digest) unless this exact content was."""
         memo = self._walk_rows
         if row in memo:
             memo.move_to_end(row)
-            held: set[str] | None = memo[row]
+            held: set[str] = memo[row]
             return held
         self._verify(row)
-        try:  # decoded, not built: the names are plain strings; nothing else is used
-            rec = self._codec.decode(unseal(row.record))
-        except (KeyError, TypeError, ValueError) as exc:
+        # Decoded, not built: the names are plain strings; nothing else is used.
+        rec = self._decoded(row, row.record, "the record")
+        names = rec.get("k") if isinstance(rec, dict) and "c" in rec and "m" in rec else ()
+        if names is None:
+            held = set(self._load_state(row))
+        elif type(names) is list and all(type(n) is str for n in names):
+            held = set(names)
+        else:
             raise CorruptRecord(
-                f"the record of LangGraph checkpoint {row.checkpoint_id!r} is unreadable",
+                f"the record of LangGraph checkpoint {row.checkpoint_id!r} is malformed",
                 run_id=row.run_id,
                 seq=row.seq,
-            ) from exc
-        names = rec.get("k") if isinstance(rec, dict) and "c" in rec and "m" in rec else ()
-        held = None
-        if names is not None:
-            if type(names) is not list or not all(type(n) is str for n in names):
-                raise CorruptRecord(
-                    f"the record of LangGraph checkpoint {row.checkpoint_id!r} is malformed",
-                    run_id=row.run_id,
-                    seq=row.seq,
-                )
-            held = set(names)
+            )
         self._remember(memo, row, held, _WALK_ROWS)
         return held
 
@@ -443,17 +433,20 @@ class Storage:
                 task_id, channel, data = self._verified_write(
                     first.thread_id, first.checkpoint_ns, cid, r[1:], row
                 )
-                write = (task_id, channel, self._decoded_write(row, data))
+                write = (task_id, channel, self._decoded(row, data, "a pending write"))
                 self._remember(memo, key, write, _WALK_ROWS)
             out.setdefault(cid, []).append(write)
         return out
 
-    def _decoded_write(self, row: _Row, data: bytes) -> Any:
+    def _decoded(self, row: _Row, data: bytes, what: str, *, build: bool = False) -> Any:
+        """Stored canonical bytes of checkpoint ``row`` (its record, one of its writes)
+        decoded; built too with ``build`` (else :func:`unpack` builds them)."""
         try:
-            return self._codec.decode(unseal(data))
+            value = self._codec.decode(unseal(data))
+            return unpack(value, self.serde) if build else value
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptRecord(
-                f"a pending write of LangGraph checkpoint {row.checkpoint_id!r} is unreadable",
+                f"{what} of LangGraph checkpoint {row.checkpoint_id!r} is unreadable",
                 run_id=row.run_id,
                 seq=row.seq,
             ) from exc
@@ -484,45 +477,6 @@ class Storage:
         values = {c: state[c] for c in channels}
         self._remember(memo, key, values, _WALK_SEEDS)
         return values
-
-    def _delta_history_built(
-        self, config: RunnableConfig, channels: Sequence[str]
-    ) -> dict[str, dict[str, Any]]:
-        """:meth:`delta_history` for checkpoints whose records do not name their
-        channels (written before they did): the ancestors' tuples built in batches that
-        share one forward walk (the default walk builds each with a ``get_tuple``)."""
-        if not channels:
-            return {}
-        conf = _conf(config)
-        thread_id = str(conf["thread_id"])
-        ns = str(conf.get("checkpoint_ns", ""))
-        cid = get_checkpoint_id(config)
-        collected: dict[str, builtins.list[Any]] = {c: [] for c in channels}
-        seed: dict[str, Any] = {}
-        remaining = set(channels)
-        target = self._row_at(thread_id, ns, str(cid) if cid else None)
-        cursor = None if target is None else target.parent_checkpoint_id
-        batch = 4
-        while cursor and remaining:
-            chain: builtins.list[_Row] = []
-            while cursor and len(chain) < batch:
-                row = self._row_at(thread_id, ns, cursor)
-                if row is None:
-                    cursor = None
-                    break
-                chain.append(row)
-                cursor = row.parent_checkpoint_id
-            batch = min(batch * 4, _DELTA_BATCH)
-            for tup in self.list_items(chain, None):
-                for write in reversed(tup.pending_writes or ()):
-                    if write[1] in remaining:
-                        collected[write[1]].append(write)
-                for ch in [c for c in remaining if c in tup.checkpoint["channel_values"]]:
-                    seed[ch] = tup.checkpoint["channel_values"][ch]
-                    remaining.discard(ch)
-                if not remaining:
-                    break
-        return self._history_out(channels, collected, seed)
 
     def _row_query(
         self, thread_id: str, ns: str, checkpoint_id: str | None
@@ -917,14 +871,7 @@ class Storage:
 
     def _decode_record(self, row: _Row) -> dict[str, Any]:
         """The record of a row :meth:`_verify` accepted."""
-        try:
-            rec = unpack(self._codec.decode(unseal(row.record)), self.serde)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptRecord(
-                f"the record of LangGraph checkpoint {row.checkpoint_id!r} is unreadable",
-                run_id=row.run_id,
-                seq=row.seq,
-            ) from exc
+        rec = self._decoded(row, row.record, "the record", build=True)
         if not isinstance(rec, dict) or "c" not in rec or "m" not in rec:
             raise CorruptRecord(
                 f"the record of LangGraph checkpoint {row.checkpoint_id!r} is malformed",
@@ -967,14 +914,7 @@ class Storage:
         checkpoint = cast(Checkpoint, {**rec["c"], "channel_values": values})
         pending = []
         for task_id, channel, data in checked:
-            try:
-                value = unpack(self._codec.decode(unseal(data)), serde)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise CorruptRecord(
-                    f"a pending write of LangGraph checkpoint {row.checkpoint_id!r} is unreadable",
-                    run_id=row.run_id,
-                    seq=row.seq,
-                ) from exc
+            value = self._decoded(row, data, "a pending write", build=True)
             pending.append((task_id, channel, value))
         config: RunnableConfig = {
             "configurable": {
@@ -1070,6 +1010,13 @@ class Storage:
             self.store.transact(write)
         finally:
             self._runs.pop((thread_id, ns), None)
+
+
+def _where(config: RunnableConfig) -> tuple[str, str, str | None]:
+    """The thread, namespace and checkpoint id (None: the latest) ``config`` names."""
+    conf = _conf(config)
+    cid = get_checkpoint_id(config)
+    return str(conf["thread_id"]), str(conf.get("checkpoint_ns", "")), cid and str(cid)
 
 
 def _hashable(v: Any) -> Any:
