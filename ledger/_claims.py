@@ -205,14 +205,13 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
             row, parts, new_cipher = self._fresh_row(
                 cur, identity, candidates[0], fps, canonical, pclass, window_s, subject, chain
             )
-            cols = ", ".join(COLUMNS)
-            cur.execute(
-                f"INSERT INTO oo_effects ({cols}) VALUES ({', '.join([q] * len(COLUMNS))}) "
-                f"ON CONFLICT DO NOTHING",
-                [row[c] for c in COLUMNS],
+            cols, values = ", ".join(COLUMNS), ", ".join([q] * len(COLUMNS))
+            sql = f"INSERT INTO oo_effects ({cols}) VALUES ({values}) ON CONFLICT DO NOTHING"
+            insert = (sql, [row[c] for c in COLUMNS])
+            appended = self._write_appending(
+                cur, insert, row, "claimed", self.owner, "", digest=parts[2]
             )
-            if cur.rowcount == 1:
-                appended = self._append(cur, row, "claimed", self.owner, "", digest=parts[2])
+            if appended is not None:
                 self._remember_mine(row, appended)
                 return _Outcome("claim", row, self._claim_of(row), new_cipher)
             # Lost an insert race (PostgreSQL): read the winner's row under lock.

@@ -69,6 +69,8 @@ class LedgerState:
     #: Fold the checks into the writing statements where this process's memory allows
     #: (SQLite; a statement that finds anything else writes nothing and the full path
     #: decides): see ``ClaimMixin._fold_claim`` and ``TransitionMixin._fold_outcome``.
+    #: On PostgreSQL, fold a row's write, its event and the head's move into one
+    #: statement (``TransitionMixin._write_appending``).
     _folds: bool = True
     _poisoned: BaseException | None
     _pool: concurrent.futures.ThreadPoolExecutor | None

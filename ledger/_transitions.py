@@ -9,7 +9,7 @@ linked to the chain's sealed head, in the same transaction.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from onceonly.checkpoint.errors import CodecError, CorruptRecord, StoreError
@@ -47,6 +47,13 @@ _RECORD_POINTS = {
     "unknown": ("ledger.mark_unknown.before", "ledger.mark_unknown.after"),
     "not_sent": ("ledger.release.before", "ledger.release.after"),
 }
+
+
+# An audit event's insert: its values (placeholders) and its guard (the chain's last event
+# is the one it links to).
+_INSERT_EVENT = (
+    "INSERT INTO oo_audit (" + EVENT_COLS + ", mac) SELECT {} WHERE {} ON CONFLICT DO NOTHING"
+)
 
 
 class TransitionMixin(IntegrityMixin, PrivacyMixin):
@@ -363,7 +370,7 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         changes = {**changes, "seal": self._seal("effects", parts)}
         new["seal"] = changes["seal"]
         sets = ", ".join(f"{c} = {q}" for c in [*changes, "updated_at"])
-        cur.execute(
+        update = (
             f"UPDATE oo_effects SET {sets} WHERE key_id = {q} AND epoch = {q} AND status = {q}",
             [
                 *changes.values(),
@@ -373,9 +380,9 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
                 expect,
             ],
         )
-        if cur.rowcount != 1:
+        appended = self._write_appending(cur, update, new, event, actor, detail, digest=parts[2])
+        if appended is None:
             return None
-        appended = self._append(cur, new, event, actor, detail, digest=parts[2])
         if new["status"] == EffectStatus.CLAIMED.value:
             self._remember_mine(new, appended)
         return new
@@ -391,8 +398,35 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         epoch: int | None = None,
         digest: Any = None,
     ) -> tuple[Any, ...]:
-        """Append a sealed event to the row's chain, linked to the chain's sealed head,
-        and advance the head; returns the event as stored (``EVENT_COLS`` and ``mac``).
+        """Append a sealed event to the row's chain (see :meth:`_write_appending`)."""
+        appended = self._write_appending(
+            cur, None, row, event, actor, detail, epoch=epoch, digest=digest
+        )
+        assert appended is not None  # only a lead that wrote nothing returns None
+        return appended
+
+    def _write_appending(
+        self,
+        cur: Any,
+        lead: tuple[str, Sequence[Any]] | None,
+        row: Row,
+        event: str,
+        actor: str,
+        detail: str,
+        *,
+        epoch: int | None = None,
+        digest: Any = None,
+    ) -> tuple[Any, ...] | None:
+        """Write a row with ``lead``, then append a sealed event to the row's chain,
+        linked to the chain's sealed head, and advance the head; returns the event as
+        stored (``EVENT_COLS`` and ``mac``).
+
+        ``lead``: the statement (SQL and arguments) that writes the row this event
+        records, an insert or compare-and-set update that may write nothing (or None:
+        the row is written already). The event is appended only if the lead wrote the
+        row; None is returned if it did not. On PostgreSQL the row's write, the event
+        and the head's move are one statement (one round trip instead of three; each
+        part runs only if the one before it wrote), unless folds are off.
 
         The event records the row's state (status, digest); ``epoch`` overrides the
         event's epoch (a refused late outcome names the stale epoch it came from);
@@ -413,6 +447,11 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
         head = self._heads.get(chain)
         select = ", ".join([q] * 13)
         missed: tuple[int, bytes] | None = None  # a head read from the store that missed
+        if lead is not None and not (self._pg and self._folds):
+            cur.execute(*lead)
+            if cur.rowcount != 1:
+                return None
+            lead = None
         for _ in range(64):
             fresh = head is None
             if head is None:
@@ -456,13 +495,20 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
                     f"AND hash = {q})"
                 )
                 guard_args = (chain, head[0], head[1])
-            cur.execute(
-                f"INSERT INTO oo_audit ({EVENT_COLS}, mac) SELECT {select} WHERE {guard} "
-                f"ON CONFLICT DO NOTHING",
-                (*values, mac, *guard_args),
-            )
-            if cur.rowcount == 1:
-                self._advance_head(cur, chain, head, seq, h)
+            args = (*values, mac, *guard_args)
+            if lead is not None:
+                # the event's guard also waits for the lead's write
+                insert = _INSERT_EVENT.format(select, f"EXISTS (SELECT 1 FROM lead) AND {guard}")
+                wrote, appended = self._lead_append(cur, lead, insert, args, chain, head, seq, h)
+                lead = None
+                if not wrote:
+                    return None
+            else:
+                cur.execute(_INSERT_EVENT.format(select, guard), args)
+                appended = cur.rowcount == 1
+                if appended:
+                    self._advance_head(cur, chain, head, seq, h)
+            if appended:
                 self._heads[chain] = (seq, h)
                 known = self._verified.get(chain)
                 if known is not None and known[0] == head[0]:
@@ -482,22 +528,70 @@ class TransitionMixin(IntegrityMixin, PrivacyMixin):
             CorruptRecord: The head is not where the chain's last event is (events or
                 the head were deleted behind the ledger's back).
         """
+        sql, params, seal = self._head_sql(chain, old, seq, h, "")
+        cur.execute(sql, params)
+        self._head_moved(chain, seq, h, seal, cur.rowcount == 1)
+
+    def _head_sql(
+        self, chain: str, old: tuple[int, bytes], seq: int, h: bytes, cond: str
+    ) -> tuple[str, tuple[Any, ...], bytes]:
+        """The statement moving the chain's sealed head from ``old`` to ``(seq, h)``
+        (compare-and-set; ``cond``: a further SQL condition), its arguments and the seal."""
         q = self._q
         seal = self._seal("heads", head_parts(chain, seq, h))
         if old[0] == 0:
-            cur.execute(
-                f"INSERT INTO oo_chain_heads (chain, seq, hash, seal) VALUES ({q}, {q}, {q}, "
-                f"{q}) ON CONFLICT DO NOTHING",
-                (chain, seq, h, seal),
+            # (SQLite reads ON CONFLICT after a SELECT without WHERE as a join's ON)
+            source = (
+                f"SELECT {q}, {q}, {q}, {q} WHERE {cond}"
+                if cond
+                else f"VALUES ({q}, {q}, {q}, {q})"
             )
-        else:
-            cur.execute(
-                f"UPDATE oo_chain_heads SET seq = {q}, hash = {q}, seal = {q} "
-                f"WHERE chain = {q} AND seq = {q} AND hash = {q}",
-                (seq, h, seal, chain, old[0], old[1]),
+            sql = (
+                f"INSERT INTO oo_chain_heads (chain, seq, hash, seal) {source} "
+                f"ON CONFLICT DO NOTHING"
             )
+            return sql, (chain, seq, h, seal), seal
+        where = f" AND {cond}" if cond else ""
+        sql = (
+            f"UPDATE oo_chain_heads SET seq = {q}, hash = {q}, seal = {q} "
+            f"WHERE chain = {q} AND seq = {q} AND hash = {q}{where}"
+        )
+        return sql, (seq, h, seal, chain, old[0], old[1]), seal
+
+    def _lead_append(
+        self,
+        cur: Any,
+        lead: tuple[str, Sequence[Any]],
+        insert: str,
+        insert_args: Sequence[Any],
+        chain: str,
+        head: tuple[int, bytes],
+        seq: int,
+        h: bytes,
+    ) -> tuple[bool, bool]:
+        """PostgreSQL: the row's write, the event's insert (``insert``, its guard
+        conditional on ``lead``) and the head's move in one statement, each part
+        conditional on the one before it having written. Returns
+        whether the lead wrote and whether the event was appended (the head moved, or
+        :class:`CorruptRecord` was raised)."""
+        lead_sql, lead_args = lead
+        head_sql, head_args, seal = self._head_sql(chain, head, seq, h, "EXISTS (SELECT 1 FROM ev)")
+        cur.execute(
+            f"WITH lead AS ({lead_sql} RETURNING 1), ev AS ({insert} RETURNING 1), "
+            f"hd AS ({head_sql} RETURNING 1) SELECT (SELECT COUNT(*) FROM lead), "
+            f"(SELECT COUNT(*) FROM ev), (SELECT COUNT(*) FROM hd)",
+            (*lead_args, *insert_args, *head_args),
+        )
+        wrote, appended, moved = (int(n) for n in cur.fetchone())
+        if not wrote:
+            return False, False
+        if appended:
+            self._head_moved(chain, seq, h, seal, moved == 1)
+        return True, bool(appended)
+
+    def _head_moved(self, chain: str, seq: int, h: bytes, seal: bytes, moved: bool) -> None:
         self._head_seals[chain] = (seq, h, seal)
-        if cur.rowcount != 1:
+        if not moved:
             self._head_seals.pop(chain, None)
             raise CorruptRecord(
                 f"audit chain {chain!r}: its sealed head is not its last event (events or "

@@ -16,6 +16,10 @@ edits, and edits made between two calls (a planted row or event, a deleted one, 
 gone), must give the verdicts of full verification; a cold call must take the folded
 statements (or the fold is never tested); and folds planted without their conditions
 must be told apart.
+
+On PostgreSQL a row's write, its event and the head's move are one statement
+(``test_ledger_write_fold``); the full-verification ledger here writes them apart, so
+every edit also compares the two.
 """
 
 from __future__ import annotations
