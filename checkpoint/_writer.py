@@ -209,27 +209,19 @@ class _Writer(_Blobs):
         if p.refs:
             cur.executemany(sql.ins_ref, [(p.run_id, h) for h in p.refs])
         ckpt_seal = seal(keys, "checkpoints", _row_parts(p.run_id, p))
-        try:
-            cur.execute(
-                sql.ins_ckpt,
-                (
-                    p.run_id,
-                    p.seq,
-                    p.kind,
-                    p.keyframe_seq,
-                    p.step,
-                    p.source,
-                    p.schema_version,
-                    p.created_at,
-                    p.body,
-                    p.digest,
-                    ckpt_seal,
-                ),
-            )
-        except _engine.DRIVER_ERRORS as exc:
-            if is_integrity_error(exc):
-                raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
-            raise
+        row = (
+            p.run_id,
+            p.seq,
+            p.kind,
+            p.keyframe_seq,
+            p.step,
+            p.source,
+            p.schema_version,
+            p.created_at,
+            p.body,
+            p.digest,
+            ckpt_seal,
+        )
         cols = sorted(run_values)
         params: list[Any] = [p.seq, p.created_at, *(run_values[c] for c in cols), p.run_id]
         checked = p.seq > 0 and bool(p.parent_digest)
@@ -237,7 +229,25 @@ class _Writer(_Blobs):
             params.append(p.seq - 1)
             if checked:
                 params.extend([p.run_id, p.seq - 1, p.parent_digest])
-        cur.execute(sql.advance(tuple(cols), first=p.seq == 0, parent=checked), params)
+        advance = sql.advance(tuple(cols), first=p.seq == 0, parent=checked)
+        folded = self._dialect != "sqlite"
+        try:
+            if folded:
+                # One round trip: the head moves only if the checkpoint was inserted
+                # (a taken sequence number raises, as the insert alone does).
+                cur.execute(
+                    f"WITH c AS ({sql.ins_ckpt} RETURNING 1) {advance} "
+                    f"AND EXISTS (SELECT 1 FROM c)",
+                    (*row, *params),
+                )
+            else:
+                cur.execute(sql.ins_ckpt, row)
+        except _engine.DRIVER_ERRORS as exc:
+            if is_integrity_error(exc):
+                raise ConcurrentWrite(p.run_id, p.seq - 1) from exc
+            raise
+        if not folded:
+            cur.execute(advance, params)
         if cur.rowcount != 1:
             raise ConcurrentWrite(p.run_id, p.seq - 1)
 

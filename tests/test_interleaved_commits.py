@@ -29,6 +29,12 @@ from tests.conftest import _fresh_pg_database
 from tests.ledger_support import Ledgers, ident
 
 
+def _writes(sql: str) -> bool:
+    """Whether a ``WITH`` statement writes (a data-modifying common table expression)."""
+    upper = sql.upper()
+    return any(verb in upper for verb in ("INSERT INTO ", "UPDATE ", "DELETE FROM "))
+
+
 class _Cursor:
     """A DBAPI cursor that, after its ``at``-th SELECT (SQLite: statement), lets a rival
     commit."""
@@ -44,8 +50,8 @@ class _Cursor:
             # SQLite: after any statement (its writes fold their checks into them; the
             # rival waits for the write lock either way)
             self._hook.after_select()
-        if verb in ("INSERT", "UPDATE", "DELETE"):
-            self._hook.wrote = True
+        if verb in ("INSERT", "UPDATE", "DELETE") or (verb.startswith("WITH") and _writes(sql)):
+            self._hook.wrote = True  # (PostgreSQL folds a row's writes into one WITH)
         return out
 
     def __getattr__(self, name: str) -> Any:

@@ -509,3 +509,32 @@ def test_a_put_whose_record_fails_leaves_no_values_behind(
         assert tup is not None
         assert tup.checkpoint["channel_values"]["n"] == 3
         assert fetch(engine, "SELECT count(*) FROM oo_checkpoints")[0][0] == before + 1
+
+
+def test_a_record_is_never_written_for_values_that_are_not_stored(
+    db_url: str, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record names a store checkpoint; the insert's own condition is that the
+    checkpoint is there. A save whose values went missing (here: a store that answers
+    with a sequence number it never wrote) leaves no record, and the put fails after
+    its retries instead of naming nothing."""
+    from onceonly.adapters.langgraph_saver._rows import _Stale
+    from onceonly.checkpoint import Store
+
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        _put(saver, i=1)
+        real = Store.save
+
+        def elsewhere(self: Store, run_id: str, *args: Any, **kwargs: Any) -> Any:
+            saved = real(self, run_id, *args, **kwargs)
+            return type(saved)(**{**saved.__dict__, "seq": saved.seq + 1000})
+
+        monkeypatch.setattr(Store, "save", elsewhere)
+        with pytest.raises(_Stale, match="has no checkpoint"):
+            _put(saver, i=2)
+        monkeypatch.setattr(Store, "save", real)
+        assert fetch(engine, "SELECT count(*) FROM oo_lg_checkpoints")[0][0] == 1
+        _put(saver, i=3)
+        tup = saver.get_tuple(_config())
+        assert tup is not None
+        assert tup.checkpoint["channel_values"]["n"] == 3

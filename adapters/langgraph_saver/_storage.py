@@ -119,7 +119,6 @@ class Storage:
                     seq = self.store.save(run_id, values, step=step).seq
 
                     def write(cur: Any, run_id: str = run_id, seq: int = seq) -> None:
-                        self._check_values(cur, run_id, seq)
                         self._upsert_row(
                             cur, thread_id, ns, cid, parent, run_id, seq, lg_run, record
                         )
@@ -619,7 +618,6 @@ class Storage:
 
             def write(cur: Any) -> None:
                 for row, run_id, seq in placed:
-                    self._check_values(cur, run_id, seq)
                     self._upsert_row(
                         cur,
                         dst,
@@ -712,14 +710,6 @@ class Storage:
         for key in [k for k in self._runs if match(k)]:
             del self._runs[key]
 
-    def _check_values(self, cur: Any, run_id: str, seq: int) -> None:
-        # The record is written only for values that are there: in the same transaction
-        # (exit durability) or committed before it (sync).
-        q = self._q
-        cur.execute(f"SELECT 1 FROM oo_checkpoints WHERE run_id = {q} AND seq = {q}", (run_id, seq))
-        if cur.fetchone() is None:
-            raise _Stale(f"store run {run_id!r} has no checkpoint {seq}")
-
     def _upsert_row(
         self,
         cur: Any,
@@ -732,19 +722,35 @@ class Storage:
         lg_run: str | None,
         record: bytes,
     ) -> None:
+        """Write a checkpoint's row, naming the store checkpoint ``(run_id, seq)``.
+
+        Raises:
+            _Stale: That store checkpoint is not there. The row is written only for
+                values that are: in the same transaction (exit durability) or committed
+                before it (sync); the check is the insert's own condition.
+        """
         q = self._q
         parts = _schema.checkpoint_parts(thread_id, ns, cid, parent, run_id, seq, lg_run, record)
         dg = _schema.checkpoint_digest(parts)
         sealed = _schema.make_seal(self.keys, _schema.CHECKPOINTS, parts)
         cur.execute(
-            f"INSERT INTO oo_lg_checkpoints ({_CK_COLS}, created_at) VALUES "
-            f"({', '.join([q] * 11)}) ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id) "
+            f"INSERT INTO oo_lg_checkpoints ({_CK_COLS}, created_at) SELECT "
+            f"{', '.join([q] * 11)} WHERE EXISTS (SELECT 1 FROM oo_checkpoints "
+            f"WHERE run_id = {q} AND seq = {q}) "
+            "ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id) "
             "DO UPDATE SET parent_checkpoint_id = excluded.parent_checkpoint_id, "
             "run_id = excluded.run_id, seq = excluded.seq, lg_run_id = excluded.lg_run_id, "
             "record = excluded.record, digest = excluded.digest, seal = excluded.seal, "
             "created_at = excluded.created_at",
-            (thread_id, ns, cid, parent, run_id, seq, lg_run, record, dg, sealed, time.time()),
+            (
+                *(thread_id, ns, cid, parent, run_id, seq, lg_run, record, dg, sealed),
+                time.time(),
+                run_id,
+                seq,
+            ),
         )
+        if cur.rowcount != 1:
+            raise _Stale(f"store run {run_id!r} has no checkpoint {seq}")
 
     def _insert_writes_sql(self, *, replace: bool) -> str:
         q = self._q
@@ -982,7 +988,6 @@ class Storage:
                 cur.execute(f"DELETE FROM oo_lg_checkpoints WHERE {where}", (thread_id, ns, cid))
             if placed:
                 for row, seq in placed:
-                    self._check_values(cur, new_run, seq)
                     self._upsert_row(
                         cur,
                         thread_id,
