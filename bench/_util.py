@@ -10,7 +10,10 @@ import os
 import shutil
 import sqlite3
 import statistics
-from collections.abc import Sequence
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +94,68 @@ def emit(path: str, result: dict[str, Any]) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     os.replace(tmp, path)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pg_server(prefix: str) -> tuple[str, Callable[[], None]]:
+    """A PostgreSQL server's URL and a function that stops it: ``ONCEONLY_TEST_PG_URL``
+    when it is set (left running), else a throwaway cluster (``tests/pgserver.py``, unix
+    socket only) started now."""
+    url = os.environ.get("ONCEONLY_TEST_PG_URL")
+    if url:
+        return url, lambda: None
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests import pgserver
+
+    # Its own directory under /tmp: as root the server runs as ``postgres``, which may
+    # not enter the benchmark's (private) temporary directory.
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+
+    def stop() -> None:
+        pgserver.stop(base)
+        shutil.rmtree(base, ignore_errors=True)
+
+    return pgserver.start(base), stop
+
+
+def pg_database(server_url: str) -> str:
+    """A new, empty database on the server of ``server_url`` (a SQLAlchemy URL); its URL."""
+    import psycopg
+
+    name = "bench_" + uuid.uuid4().hex[:16]
+    with psycopg.connect(libpq_url(server_url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base, _, query = server_url.partition("?")
+    return base.rsplit("/", 1)[0] + "/" + name + ("?" + query if query else "")
+
+
+def pg_drop(url: str) -> None:
+    """Drop the database at ``url`` (one :func:`pg_database` made)."""
+    import psycopg
+
+    base, _, query = url.partition("?")
+    name = base.rsplit("/", 1)[1]
+    admin = base.rsplit("/", 1)[0] + "/postgres" + ("?" + query if query else "")
+    with psycopg.connect(libpq_url(admin), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def libpq_url(url: str) -> str:
+    """A SQLAlchemy ``postgresql+psycopg://`` URL as libpq reads it."""
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def pg_bytes(url: str) -> int:
+    """Bytes held by the tables (with their indexes and TOAST) of the database at ``url``."""
+    import psycopg
+
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE c.relkind = 'r' AND n.nspname = current_schema()"
+        ).fetchone()
+    return int(row[0]) if row else 0

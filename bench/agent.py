@@ -6,7 +6,10 @@ a ``ToolNode`` answers it (a ``ToolMessage`` of ~300 characters), ``tools_condit
 loops back; after ``--turns`` turns the model answers and the run ends
 (``durability="sync"``, 2 x turns + 3 checkpoints). The same graph runs with LangGraph's
 ``SqliteSaver``, its ``InMemorySaver`` and onceonly's ``OnceOnlySaver`` (SQLite, sealed
-with a keyring), systems alternating within each repetition, each phase a fresh process:
+with a keyring), and on PostgreSQL with LangGraph's ``PostgresSaver`` and
+``OnceOnlySaver`` (each repetition a new database per system, on the server of
+``ONCEONLY_TEST_PG_URL`` or on a throwaway cluster started for the run; ``--no-pg``
+leaves them out), systems alternating within each repetition, each phase a fresh process:
 
 * ``run``: the whole conversation; wall and process CPU time per checkpoint (the
   invoke's time over the checkpoints it wrote), then ``get_state_history`` listed whole
@@ -19,7 +22,9 @@ as every bench phase does: otherwise whether one full collection of the heap lef
 imports and the run (70-80 ms here) lands in one system's window depends on allocation
 counts.
 
-Figures are medians over repetitions; ratios are to SqliteSaver in the same repetition.
+Figures are medians over repetitions; ratios are to SqliteSaver in the same repetition
+(PostgreSQL systems: to PostgresSaver). Bytes on PostgreSQL are the tables' with their
+indexes and TOAST (``pg_total_relation_size``).
 ``--json bench/results/agent.json`` feeds docs/performance.md.
 """
 
@@ -39,16 +44,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from . import _util
 from ._util import quiesce_gc
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ["sqlite", "memory", "onceonly"]
+SYSTEMS = ["sqlite", "memory", "onceonly", "postgres", "onceonly-pg"]
 LABELS = {
     "sqlite": "SqliteSaver",
     "memory": "InMemorySaver",
     "onceonly": "OnceOnlySaver (SQLite, sealed)",
+    "postgres": "PostgresSaver",
+    "onceonly-pg": "OnceOnlySaver (PostgreSQL, sealed)",
 }
-PERSISTENT = ["sqlite", "onceonly"]
+PERSISTENT = ["sqlite", "onceonly", "postgres", "onceonly-pg"]
+ON_PG = ["postgres", "onceonly-pg"]
+#: The system each one's ratios are to (its backend's LangGraph saver).
+REFERENCE = {s: "postgres" if s in ON_PG else "sqlite" for s in SYSTEMS}
 
 
 def _graph(saver: Any, turns: int) -> Any:
@@ -78,7 +89,19 @@ def _graph(saver: Any, turns: int) -> Any:
     return graph.compile(checkpointer=saver)
 
 
-def _saver(system: str, db: Path) -> tuple[Any, Any]:
+def _saver(system: str, db: str) -> tuple[Any, Any]:
+    if system == "postgres":
+        import psycopg
+        from langgraph.checkpoint.postgres import PostgresSaver
+        from psycopg.rows import dict_row
+
+        # as PostgresSaver.from_conn_string connects
+        conn = psycopg.connect(
+            _util.libpq_url(db), autocommit=True, prepare_threshold=0, row_factory=dict_row
+        )
+        pg_saver = PostgresSaver(conn)
+        pg_saver.setup()
+        return pg_saver, conn.close
     if system == "memory":
         from langgraph.checkpoint.memory import InMemorySaver
 
@@ -94,7 +117,8 @@ def _saver(system: str, db: Path) -> tuple[Any, Any]:
     from onceonly.ledger import Keyring, Secret
 
     keys = Keyring([Secret("k1", bytes(range(32)))])
-    saver = OnceOnlySaver.from_url(f"sqlite:///{db}", keyring=keys)
+    url = db if system == "onceonly-pg" else f"sqlite:///{db}"
+    saver = OnceOnlySaver.from_url(url, keyring=keys)
     return saver, saver.close
 
 
@@ -105,29 +129,36 @@ def _imports(system: str) -> None:
     names = ["langgraph.graph", "langgraph.prebuilt"]
     if system == "sqlite":
         names.append("langgraph.checkpoint.sqlite")
-    elif system == "onceonly":
+    elif system == "postgres":
+        names += ["langgraph.checkpoint.postgres", "psycopg"]
+    elif system.startswith("onceonly"):
         names += ["onceonly.adapters.langgraph_saver", "onceonly.ledger"]
+        if system == "onceonly-pg":
+            names += ["psycopg", "sqlalchemy.dialects.postgresql.psycopg"]
     for name in names:
         importlib.import_module(name)
 
 
-def _bytes(db: Path) -> int:
+def _bytes(system: str, db: str) -> int:
     import sqlite3
 
-    if not db.exists():
+    if system in ON_PG:
+        return _util.pg_bytes(db)
+    path = Path(db)
+    if not path.exists():
         return 0
-    conn = sqlite3.connect(db)
+    conn = sqlite3.connect(path)
     try:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:
         conn.close()
-    return sum(p.stat().st_size for p in db.parent.glob(db.name + "*"))
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
 
 
 CONFIG: Any = {"configurable": {"thread_id": "agent-1"}}
 
 
-def run_phase(system: str, db: Path, turns: int) -> dict[str, Any]:
+def run_phase(system: str, db: str, turns: int) -> dict[str, Any]:
     _imports(system)
     saver, close = _saver(system, db)
     try:
@@ -152,12 +183,12 @@ def run_phase(system: str, db: Path, turns: int) -> dict[str, Any]:
         "step_ms": (t1 - t0) / n * 1e3,
         "step_cpu_ms": (c1 - c0) / n * 1e3,
         "history_ms": (t2 - t1b) * 1e3,
-        "bytes": _bytes(db) if system in PERSISTENT else None,
+        "bytes": _bytes(system, db) if system in PERSISTENT else None,
         "verified": last == 2 * turns + 2,
     }
 
 
-def fresh_phase(system: str, db: Path, turns: int) -> dict[str, Any]:
+def fresh_phase(system: str, db: str, turns: int) -> dict[str, Any]:
     _imports(system)
     quiesce_gc()
     t0 = time.perf_counter()
@@ -181,7 +212,7 @@ def fresh_phase(system: str, db: Path, turns: int) -> dict[str, Any]:
     }
 
 
-def _child(phase: str, system: str, db: Path, turns: int) -> dict[str, Any]:
+def _child(phase: str, system: str, db: str, turns: int) -> dict[str, Any]:
     out = subprocess.run(
         [
             *(sys.executable, "-m", "bench.agent", "--phase", phase, "--system", system),
@@ -217,7 +248,11 @@ def summarize(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         row: dict[str, Any] = {"label": LABELS.get(system, system)}
         for phase, keys in figures.items():
             mine = [r for r in runs if r["system"] == system and r["phase"] == phase]
-            ref = {r["rep"]: r for r in runs if r["system"] == "sqlite" and r["phase"] == phase}
+            ref = {
+                r["rep"]: r
+                for r in runs
+                if r["system"] == REFERENCE.get(system, "sqlite") and r["phase"] == phase
+            }
             for key in keys:
                 name = f"{phase}_{key}"
                 vals = [r[key] for r in mine if r.get(key) is not None]
@@ -253,32 +288,17 @@ def section(data: dict[str, Any]) -> list[str]:
     """The agent section of docs/performance.md."""
     s = summarize(data)
     m = data["meta"]
-    ratio = "(\N{MULTIPLICATION SIGN} SqliteSaver)"
+    x = "\N{MULTIPLICATION SIGN}"
     head = [
         "checkpointer",
-        f"per checkpoint, wall {ratio}",
-        f"per checkpoint, CPU {ratio}",
-        f"list the history, same process {ratio}",
-        f"fresh open + get_state {ratio}",
-        f"list the history, fresh process {ratio}",
-        f"bytes {ratio}",
+        f"per checkpoint, wall ({x} ref)",
+        f"per checkpoint, CPU ({x} ref)",
+        f"list the history, same process ({x} ref)",
+        f"fresh open + get_state ({x} ref)",
+        f"list the history, fresh process ({x} ref)",
+        f"bytes ({x} ref)",
         "verified",
     ]
-    rows = []
-    for r in s.values():
-        verified = all(v for k, v in r.items() if k.startswith("verified_")) and not r["errors"]
-        rows.append(
-            [
-                r["label"],
-                _pair(r, "run_step_ms", ".2f", " ms"),
-                _pair(r, "run_step_cpu_ms", ".2f", " ms"),
-                _pair(r, "run_history_ms", ".0f", " ms"),
-                _pair(r, "fresh_get_state_ms", ".1f", " ms"),
-                _pair(r, "fresh_history_ms", ".0f", " ms"),
-                _pair(r, "run_bytes", ".2f", " MB", 1e-6),
-                "yes" if verified else "NO",
-            ]
-        )
     lines = [
         "## LangGraph checkpointers under a tool-calling agent",
         "",
@@ -290,14 +310,43 @@ def section(data: dict[str, Any]) -> list[str]:
             "`bench/agent.py`: a scripted model asking for one tool call per turn, a "
             '`ToolNode`, `durability="sync"`, each phase in a fresh process with the graph\'s '
             "and the saver's modules imported, and the heap collected and frozen, before each "
-            "clock starts. Ratios are to SqliteSaver in the same repetition."
+            "clock starts. Ratios (ref) are to the backend's LangGraph saver in the same "
+            "repetition: SqliteSaver on SQLite, PostgresSaver on PostgreSQL (a server on this "
+            "machine, unix socket; bytes: its tables with indexes and TOAST)."
         ),
-        "",
-        "| " + " | ".join(head) + " |",
-        "| --- | " + " | ".join("---:" for _ in head[1:-1]) + " | --- |",
-        *["| " + " | ".join(r) + " |" for r in rows],
-        "",
     ]
+    groups = [
+        ("SQLite (and in memory)", [k for k in s if k not in ON_PG]),
+        ("PostgreSQL", [k for k in s if k in ON_PG]),
+    ]
+    for title, systems in groups:
+        if not systems:
+            continue
+        rows = []
+        for name in systems:
+            r = s[name]
+            verified = all(v for k, v in r.items() if k.startswith("verified_")) and not r["errors"]
+            rows.append(
+                [
+                    r["label"],
+                    _pair(r, "run_step_ms", ".2f", " ms"),
+                    _pair(r, "run_step_cpu_ms", ".2f", " ms"),
+                    _pair(r, "run_history_ms", ".0f", " ms"),
+                    _pair(r, "fresh_get_state_ms", ".1f", " ms"),
+                    _pair(r, "fresh_history_ms", ".0f", " ms"),
+                    _pair(r, "run_bytes", ".2f", " MB", 1e-6),
+                    "yes" if verified else "NO",
+                ]
+            )
+        lines += [
+            "",
+            f"**{title}**",
+            "",
+            "| " + " | ".join(head) + " |",
+            "| --- | " + " | ".join("---:" for _ in head[1:-1]) + " | --- |",
+            *["| " + " | ".join(r) + " |" for r in rows],
+        ]
+    lines.append("")
     lines += [f"- {n} failed: `{e}`" for n, r in s.items() for e in r["errors"]]
     return lines
 
@@ -306,31 +355,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench agent", description=__doc__)
     p.add_argument("--phase", choices=["run", "fresh"], help="one phase (a child process)")
     p.add_argument("--system", choices=SYSTEMS)
-    p.add_argument("--db", type=Path)
+    p.add_argument("--db", help="the database: a file (SQLite) or a URL (PostgreSQL)")
     p.add_argument("--turns", type=int, default=50)
     p.add_argument("--runs", type=int, default=5, help="repetitions")
+    p.add_argument("--no-pg", action="store_true", help="leave the PostgreSQL systems out")
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
     if a.phase:
         phase = run_phase if a.phase == "run" else fresh_phase
         print(json.dumps(phase(a.system, a.db, a.turns)))
         return 0
+    systems = [s for s in SYSTEMS if not (a.no_pg and s in ON_PG)]
     started = datetime.now(UTC).isoformat(timespec="seconds")
     load0 = "/".join(f"{x:.1f}" for x in os.getloadavg())
     t0 = time.perf_counter()
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="onceonly-bench-agent-") as tmp:
-        for rep in range(a.runs):
-            order = SYSTEMS[rep % len(SYSTEMS) :] + SYSTEMS[: rep % len(SYSTEMS)]
-            for system in order:
-                db = Path(tmp) / f"{rep}-{system}.db"
-                runs.append({"rep": rep, **_child("run", system, db, a.turns)})
-            for system in [s for s in order if s in PERSISTENT]:
-                db = Path(tmp) / f"{rep}-{system}.db"
-                runs.append({"rep": rep, **_child("fresh", system, db, a.turns)})
-            print(f"agent rep {rep + 1}/{a.runs} done", file=sys.stderr)
+    server, stop = _util.pg_server("onceonly-agent-pg-") if not a.no_pg else ("", lambda: None)
+    try:
+        with tempfile.TemporaryDirectory(prefix="onceonly-bench-agent-") as tmp:
+            for rep in range(a.runs):
+                order = systems[rep % len(systems) :] + systems[: rep % len(systems)]
+                dbs = {
+                    s: _util.pg_database(server) if s in ON_PG else str(Path(tmp) / f"{rep}-{s}.db")
+                    for s in order
+                }
+                phases = [("run", s) for s in order]
+                phases += [("fresh", s) for s in order if s in PERSISTENT]
+                try:
+                    runs.extend(
+                        {"rep": rep, **_child(phase, system, dbs[system], a.turns)}
+                        for phase, system in phases
+                    )
+                finally:
+                    for system in ON_PG:
+                        if system in dbs:
+                            _util.pg_drop(dbs[system])
+                print(f"agent rep {rep + 1}/{a.runs} done", file=sys.stderr)
+    finally:
+        stop()
     data = {
-        "systems": SYSTEMS,
+        "systems": systems,
         "runs": runs,
         "meta": {
             "started_utc": started,

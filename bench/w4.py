@@ -329,25 +329,6 @@ def phase_count(reps: int) -> int:
     return reps * len(WORKERS)
 
 
-def _server() -> tuple[str, Any]:
-    url = os.environ.get("ONCEONLY_TEST_PG_URL")
-    if url:
-        return url, lambda: None
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tests import pgserver
-
-    # Its own directory under /tmp: as root the server runs as ``postgres``, which may
-    # not enter the benchmark's (private) temporary directory.
-    base = Path(tempfile.mkdtemp(prefix="onceonly-w4-pg-"))
-
-    def stop() -> None:
-        pgserver.stop(base)
-        shutil.rmtree(base, ignore_errors=True)
-
-    return pgserver.start(base), stop
-
-
 def run(reps: int, quick: bool, runner: Runner, progress: Progress, task: Any) -> dict[str, Any]:
     """W4: per repetition, one phase per worker count (1, 2, 4), alternating."""
     # Worker processes run from the runner's copy of the sources: add the upper layers.
@@ -357,7 +338,7 @@ def run(reps: int, quick: bool, runner: Runner, progress: Progress, task: Any) -
                 ROOT / pkg, runner.src / pkg, ignore=shutil.ignore_patterns("__pycache__")
             )
     runs_n = QUICK_RUNS if quick else RUNS
-    server, stop = _server()
+    server, stop = _util.pg_server("onceonly-w4-pg-")
     out: list[dict[str, Any]] = []
     try:
         for rep in range(reps):
