@@ -14,8 +14,11 @@ leaves them out), systems alternating within each repetition, each phase a fresh
 * ``run``: the whole conversation; wall and process CPU time per checkpoint (the
   invoke's time over the checkpoints it wrote), then ``get_state_history`` listed whole
   in the same process; database bytes after ``wal_checkpoint(TRUNCATE)``.
-* ``fresh`` (the two that persist): a new process opens the saver, compiles the graph and
-  reads ``get_state`` (timed from before the open), then lists the history whole.
+* ``fresh`` (the ones that persist): a new process opens the saver, compiles the graph
+  and reads ``get_state`` (timed from before the open), then lists the history whole.
+* ``concurrent`` (PostgreSQL): 16 conversations of 10 turns at once, asyncio tasks
+  ``ainvoke``-ing the graph on 16 threads of one saver (``AsyncPostgresSaver`` over a
+  pool of 16 connections; ``OnceOnlySaver``'s async methods): checkpoints per second.
 
 Before each timed region the phase collects and freezes the heap (``_util.quiesce_gc``),
 as every bench phase does: otherwise whether one full collection of the heap left by the
@@ -31,6 +34,7 @@ indexes and TOAST (``pg_total_relation_size``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -188,6 +192,77 @@ def run_phase(system: str, db: str, turns: int) -> dict[str, Any]:
     }
 
 
+CONCURRENT = 16
+CONCURRENT_TURNS = 10
+
+
+async def _asaver(system: str, db: str) -> tuple[Any, Any]:
+    """An async-capable saver on ``db`` and an async function closing it."""
+    if system == "postgres":
+        from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+        from psycopg.rows import dict_row
+        from psycopg_pool import AsyncConnectionPool
+
+        pool: Any = AsyncConnectionPool(
+            _util.libpq_url(db),
+            min_size=CONCURRENT,
+            max_size=CONCURRENT,
+            kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+            open=False,
+        )
+        await pool.open()
+        saver = AsyncPostgresSaver(pool)
+        await saver.setup()
+        return saver, pool.close
+    saver, close = _saver(system, db)
+
+    async def aclose() -> None:
+        close()
+
+    return saver, aclose
+
+
+def concurrent_phase(system: str, db: str, turns: int) -> dict[str, Any]:
+    """``CONCURRENT`` conversations at once (asyncio tasks), each on its own thread."""
+    import asyncio
+
+    del turns  # CONCURRENT_TURNS each
+    _imports(system)
+    if system == "postgres":
+        importlib.import_module("langgraph.checkpoint.postgres.aio")
+    configs = [{"configurable": {"thread_id": f"c{i}"}} for i in range(CONCURRENT)]
+
+    async def main() -> tuple[float, float, bool]:
+        saver, aclose = await _asaver(system, db)
+        try:
+            app = _graph(saver, CONCURRENT_TURNS)
+            quiesce_gc()
+            t0, c0 = time.perf_counter(), time.process_time()
+            await asyncio.gather(
+                *(
+                    app.ainvoke({"messages": [("user", "go")]}, cfg, durability="sync")
+                    for cfg in configs
+                )
+            )
+            t1, c1 = time.perf_counter(), time.process_time()
+            states = [await app.aget_state(cfg) for cfg in configs]
+        finally:
+            await aclose()
+        ok = all(len(st.values["messages"]) == 2 * CONCURRENT_TURNS + 2 for st in states)
+        return t1 - t0, c1 - c0, ok
+
+    wall, cpu, ok = asyncio.run(main())
+    checkpoints = CONCURRENT * (2 * CONCURRENT_TURNS + 3)
+    return {
+        "system": system,
+        "phase": "concurrent",
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "checkpoints_per_s": checkpoints / wall,
+        "verified": ok,
+    }
+
+
 def fresh_phase(system: str, db: str, turns: int) -> dict[str, Any]:
     _imports(system)
     quiesce_gc()
@@ -242,6 +317,7 @@ def summarize(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     figures = {
         "run": ["step_ms", "step_cpu_ms", "history_ms", "bytes"],
         "fresh": ["get_state_ms", "history_ms"],
+        "concurrent": ["wall_s", "cpu_s", "checkpoints_per_s"],
     }
     out: dict[str, dict[str, Any]] = {}
     for system in data["systems"]:
@@ -346,14 +422,41 @@ def section(data: dict[str, Any]) -> list[str]:
             "| --- | " + " | ".join("---:" for _ in head[1:-1]) + " | --- |",
             *["| " + " | ".join(r) + " |" for r in rows],
         ]
+    conc = [s[k] for k in s if k in ON_PG and not math.isnan(s[k]["concurrent_wall_s"])]
+    if conc:
+        lines += [
+            "",
+            (
+                f"**{CONCURRENT} conversations at once, PostgreSQL** ({CONCURRENT} asyncio tasks "
+                f"`ainvoke`-ing the graph, {CONCURRENT_TURNS} turns each, on {CONCURRENT} "
+                "threads of one saver: `AsyncPostgresSaver` over a pool of "
+                f"{CONCURRENT} connections, `OnceOnlySaver` through its async methods)"
+            ),
+            "",
+            (
+                f"| checkpointer | wall ({x} ref) | process CPU ({x} ref) | "
+                f"checkpoints per second ({x} ref) |"
+            ),
+            "| --- | ---: | ---: | ---: |",
+            *[
+                f"| {'AsyncPostgresSaver' if r is s.get('postgres') else r['label']} | "
+                f"{_pair(r, 'concurrent_wall_s', '.2f', ' s')} | "
+                f"{_pair(r, 'concurrent_cpu_s', '.2f', ' s')} | "
+                f"{_pair(r, 'concurrent_checkpoints_per_s', ',.0f', '/s')} |"
+                for r in conc
+            ],
+        ]
     lines.append("")
     lines += [f"- {n} failed: `{e}`" for n, r in s.items() for e in r["errors"]]
     return lines
 
 
+PHASES = {"run": run_phase, "fresh": fresh_phase, "concurrent": concurrent_phase}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench agent", description=__doc__)
-    p.add_argument("--phase", choices=["run", "fresh"], help="one phase (a child process)")
+    p.add_argument("--phase", choices=list(PHASES), help="one phase (a child process)")
     p.add_argument("--system", choices=SYSTEMS)
     p.add_argument("--db", help="the database: a file (SQLite) or a URL (PostgreSQL)")
     p.add_argument("--turns", type=int, default=50)
@@ -362,8 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
     if a.phase:
-        phase = run_phase if a.phase == "run" else fresh_phase
-        print(json.dumps(phase(a.system, a.db, a.turns)))
+        print(json.dumps(PHASES[a.phase](a.system, a.db, a.turns)))
         return 0
     systems = [s for s in SYSTEMS if not (a.no_pg and s in ON_PG)]
     started = datetime.now(UTC).isoformat(timespec="seconds")
@@ -381,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 }
                 phases = [("run", s) for s in order]
                 phases += [("fresh", s) for s in order if s in PERSISTENT]
+                phases += [("concurrent", s) for s in order if s in ON_PG]
                 try:
                     runs.extend(
                         {"rep": rep, **_child(phase, system, dbs[system], a.turns)}
