@@ -160,6 +160,10 @@ def _engine_for(target: str | URL, url: str, *, busy_timeout_ms: int) -> Engine:
         kwargs["connect_args"] = {"timeout": busy_timeout_ms / 1000.0}
     elif scheme.startswith("postgresql"):
         kwargs["pool_pre_ping"] = False
+        if "psycopg" in scheme and "psycopg2" not in scheme:
+            # No store column is hstore: skip the type lookup the dialect otherwise runs
+            # on its first connection (a round trip of every fresh process's open).
+            kwargs["use_native_hstore"] = False
     try:
         engine = create_engine(target, **kwargs)
     except (sa_exc.ArgumentError, sa_exc.NoSuchModuleError, ValueError, ImportError) as exc:
