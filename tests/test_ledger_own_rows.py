@@ -46,6 +46,11 @@ EVENT_EDITS = [c for c in EVENT_COLS if c not in ("chain", "seq")]
 HEAD_EDITS = ["seq", "hash", "seal"]
 
 
+# The checks folded into the writing statements are SQLite's (PostgreSQL reads and locks
+# first; its one-statement writes are test_ledger_write_fold's).
+_SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+
 class _NoShortcut(Ledger):
     """Full verification always: it never remembers what it sealed, and folds no check
     into a writing statement."""
@@ -330,9 +335,8 @@ class _FoldsBlind(Ledger):
         return _Outcome("claim", row, self._claim_of(row), cipher)
 
 
+@_SQLITE
 def test_control_a_fold_without_its_conditions_is_caught(ledgers: Ledgers) -> None:
-    if ledgers.store().dialect != "sqlite":
-        pytest.skip("the fold is SQLite's (PostgreSQL reads and locks first)")
     full = _run_between(ledgers, _NoShortcut, "full")
     blind = _run_between(ledgers, _FoldsBlind, "blind")
     differ = sorted(k for k in full if full[k] != blind[k])
@@ -360,9 +364,8 @@ class _OutcomeFoldsBlind(Ledger):
         return new
 
 
+@_SQLITE
 def test_control_an_outcome_fold_without_its_row_check_is_caught(ledgers: Ledgers) -> None:
-    if ledgers.store().dialect != "sqlite":
-        pytest.skip("the fold is SQLite's (PostgreSQL reads and locks first)")
     full = _run_edits(ledgers, _NoShortcut, "full")
     blind = _run_edits(ledgers, _OutcomeFoldsBlind, "blind")
     differ = sorted(k for k in full if full[k] != blind[k])
@@ -383,11 +386,10 @@ def _statements_per_call(ledgers: Ledgers, cls: type[Ledger], monkeypatch: Any) 
     return seen
 
 
+@_SQLITE
 def test_a_cold_call_takes_the_folded_statements(
     ledgers: Ledgers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if ledgers.store().dialect != "sqlite":
-        pytest.skip("the fold is SQLite's (PostgreSQL reads and locks first)")
     folded = list(_statements_per_call(ledgers, Ledger, monkeypatch))  # (a copy: it grows)
     # claim: insert the row, append the event, advance the head; outcome: the same three
     assert folded == ["INSERT", "INSERT", "UPDATE", "UPDATE", "INSERT", "UPDATE"], folded
