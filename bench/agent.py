@@ -128,8 +128,6 @@ def _saver(system: str, db: str) -> tuple[Any, Any]:
 
 def _imports(system: str) -> None:
     """What the phase imports before its clock starts (the graph's modules, the saver's)."""
-    import importlib
-
     names = ["langgraph.graph", "langgraph.prebuilt"]
     if system == "sqlite":
         names.append("langgraph.checkpoint.sqlite")
