@@ -26,7 +26,7 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from onceonly.adapters import _langgraph_schema as _schema
-from onceonly.adapters._langgraph_values import pack, register, seal, unpack, unseal
+from onceonly.adapters._langgraph_values import PackMemo, pack, register, seal, unpack, unseal
 from onceonly.checkpoint import (
     CheckpointNotFound,
     Codec,
@@ -69,6 +69,9 @@ class Storage:
         self._q = store.param
         self._lock = threading.RLock()
         self._runs: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # The serde's encodings of the messages of recent states and writes: a state
+        # carries the same message objects from step to step (see PackMemo).
+        self._memo = PackMemo()
         # Delta-channel walks (see delta_history): rows already verified, by their exact
         # content, and the seeds already built, by the exact row that names them.
         self._walk_keys: RowKeys | None = None
@@ -104,7 +107,8 @@ class Storage:
         parent = None if parent is None else str(parent)
         cid = str(checkpoint["id"])
         serde = self.serde
-        values = {k: pack(v, serde) for k, v in checkpoint["channel_values"].items()}
+        memo = self._memo
+        values = {k: pack(v, serde, memo) for k, v in checkpoint["channel_values"].items()}
         rest = {k: v for k, v in checkpoint.items() if k != "channel_values"}
         md = dict(get_serializable_checkpoint_metadata(config, metadata))
         # "k": the channels this checkpoint holds a value for, so that a delta-channel
@@ -152,7 +156,7 @@ class Storage:
         encoded = []
         for i, (channel, value) in enumerate(writes):
             idx = WRITES_IDX_MAP.get(channel, i)
-            data = seal(self._codec.encode(pack(value, self.serde)))
+            data = seal(self._codec.encode(pack(value, self.serde, self._memo)))
             encoded.append((str(task_id), idx, str(channel), str(task_path), data))
         if not encoded:
             return
