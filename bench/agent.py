@@ -269,8 +269,9 @@ def fresh_phase(system: str, db: str, turns: int) -> dict[str, Any]:
     try:
         app = _graph(saver, turns)
         state = app.get_state(CONFIG)
-        quiesce_gc()
         t1 = time.perf_counter()
+        quiesce_gc()  # outside both timed regions
+        t1b = time.perf_counter()
         history = list(app.get_state_history(CONFIG))
         t2 = time.perf_counter()
     finally:
@@ -279,7 +280,7 @@ def fresh_phase(system: str, db: str, turns: int) -> dict[str, Any]:
         "system": system,
         "phase": "fresh",
         "get_state_ms": (t1 - t0) * 1e3,
-        "history_ms": (t2 - t1) * 1e3,
+        "history_ms": (t2 - t1b) * 1e3,
         "checkpoints": len(history),
         "verified": len(state.values["messages"]) == 2 * turns + 2,
     }
