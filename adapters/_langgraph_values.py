@@ -299,20 +299,25 @@ _TRUE = _Bool(value=True)
 _FALSE = _Bool(value=False)
 
 
-class _Int(int):
-    __slots__ = ()
-    __hash__ = None  # type: ignore[assignment]
+class _Strict:
+    """Unequal exactly when not equal (a builtin base's ``__ne__`` would use the lenient
+    equality). Each subclass defines ``__eq__`` without ``__hash__``: unhashable."""
 
-    def __eq__(self, other: object) -> bool:
-        return type(other) is int and int.__eq__(self, other)
+    __slots__ = ()
 
     def __ne__(self, other: object) -> bool:
         return not self.__eq__(other)
 
 
-class _Float(float):
+class _Int(_Strict, int):  # noqa: PLW1641
     __slots__ = ()
-    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is int and int.__eq__(self, other)
+
+
+class _Float(_Strict, float):  # noqa: PLW1641
+    __slots__ = ()
 
     def __eq__(self, other: object) -> bool:
         # -0.0 and 0.0 encode differently; a NaN never equals (encoded again)
@@ -322,32 +327,21 @@ class _Float(float):
             and math.copysign(1.0, self) == math.copysign(1.0, other)
         )
 
-    def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
 
-
-class _Bytes(bytes):
+class _Bytes(_Strict, bytes):  # noqa: PLW1641
     __slots__ = ()
-    __hash__ = None  # type: ignore[assignment]
 
     def __eq__(self, other: object) -> bool:
         return type(other) is bytes and bytes.__eq__(self, other)
 
-    def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
 
-
-class _Ordered(dict):  # type: ignore[type-arg]
+class _Ordered(_Strict, dict):  # type: ignore[type-arg]  # noqa: PLW1641
     """A dict equal only to a dict with the same items in the same order."""
 
     __slots__ = ()
-    __hash__ = None
 
     def __eq__(self, other: object) -> bool:
         return type(other) is dict and dict.__eq__(self, other) and list(self) == list(other)
-
-    def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
 
 
 def unpack(v: Any, serde: Serde) -> Any:

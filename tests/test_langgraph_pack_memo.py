@@ -19,6 +19,7 @@ from onceonly.adapters import _langgraph_values
 from onceonly.adapters._langgraph_serde import StrictSerializer
 from onceonly.adapters._langgraph_values import PackMemo, SerdeValue, pack
 from onceonly.adapters.langgraph_saver import OnceOnlySaver
+from onceonly.checkpoint import CodecError
 from tests.ledger_support import keyring
 
 
@@ -221,14 +222,20 @@ def _editing_graph(saver: OnceOnlySaver) -> Any:
     return g.compile(checkpointer=saver)
 
 
-def test_a_node_editing_an_earlier_message_in_place_is_stored(db_url: str) -> None:
+def _run_then_read(db_url: str) -> list[Any]:
+    """Run the editing graph, then read its last state with a fresh saver."""
     cfg: Any = {"configurable": {"thread_id": "edits"}}
     with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
         _editing_graph(saver).invoke(
             {"messages": [HumanMessage("go", id="h")]}, cfg, durability="sync"
         )
     with OnceOnlySaver.from_url(db_url, keyring=keyring()) as fresh:
-        msgs = _editing_graph(fresh).get_state(cfg).values["messages"]
+        msgs: list[Any] = _editing_graph(fresh).get_state(cfg).values["messages"]
+    return msgs
+
+
+def test_a_node_editing_an_earlier_message_in_place_is_stored(db_url: str) -> None:
+    msgs = _run_then_read(db_url)
     assert [m.content for m in msgs] == ["go", "final", "done"]
     assert msgs[1].response_metadata == {"v": True}
     assert type(msgs[1].response_metadata["v"]) is bool
@@ -239,11 +246,20 @@ def test_control_a_memo_that_trusts_identity_stores_the_stale_message(
 ) -> None:
     """The graph test above fails when an unchanged object is assumed, not checked."""
     monkeypatch.setattr(_langgraph_values, "_unchanged", lambda v, snap: True)
-    cfg: Any = {"configurable": {"thread_id": "edits"}}
-    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
-        _editing_graph(saver).invoke(
-            {"messages": [HumanMessage("go", id="h")]}, cfg, durability="sync"
-        )
-    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as fresh:
-        msgs = _editing_graph(fresh).get_state(cfg).values["messages"]
+    msgs = _run_then_read(db_url)
     assert [m.content for m in msgs] == ["go", "draft", "done"]
+
+
+def test_the_documented_blind_spot_an_object_claiming_equality() -> None:
+    """What the how-to says goes unseen: a replacement whose own ``__eq__`` claims to
+    equal the string it replaced (and which could not even be encoded)."""
+    from unittest import mock
+
+    serde = StrictSerializer()
+    memo = PackMemo()
+    msg = _ai()
+    first = pack(msg, serde, memo)
+    msg.content = mock.ANY
+    assert pack(msg, serde, memo) == first  # taken as unchanged
+    with pytest.warns(UserWarning, match="serializ"), pytest.raises(CodecError):
+        pack(msg, serde)
