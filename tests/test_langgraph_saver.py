@@ -427,6 +427,54 @@ def test_delta_channel_walk_across_forks_with_fresh_values_and_old_records(
         assert _walks_agree(saver, app, cfg, ["log", "n"]) > len(history)
 
 
+class _LongDeltaState(TypedDict):
+    log: Annotated[list[str], DeltaChannel(_concat_batch, snapshot_frequency=60)]
+    n: int
+
+
+def test_delta_channel_walk_reads_its_chain_in_one_transaction(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A walk up a long chain (several pages of ancestors and their writes) reads them all
+    in one read transaction, so in one snapshot: a concurrent prune or delete is seen
+    whole or not at all. Its result is still LangGraph's default walk's."""
+    from langgraph.checkpoint.base import BaseCheckpointSaver
+
+    from onceonly.checkpoint import _connections
+
+    def step(state: _LongDeltaState) -> dict[str, Any]:
+        return {"log": [f"line {state['n']}"], "n": state["n"] + 1}
+
+    graph = StateGraph(_LongDeltaState)
+    graph.add_node("step", step)
+    graph.add_edge(START, "step")
+    graph.add_conditional_edges("step", lambda s: "step" if s["n"] < 50 else END)
+    saver = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    with saver:
+        app = graph.compile(checkpointer=saver)
+        cfg: Any = config("long-walk")
+        app.invoke({"log": [], "n": 0}, cfg)
+        latest = app.get_state(cfg).config
+        first = saver.get_delta_channel_history(config=latest, channels=["log"])
+        assert len(first["log"]["writes"]) > 40  # 8 + 32 ancestors are not enough
+
+        reads: list[bool] = []
+        enter = _connections._RawTxn.__enter__
+
+        def counted(txn: Any) -> Any:
+            reads.append(txn._write)
+            return enter(txn)
+
+        monkeypatch.setattr(_connections._RawTxn, "__enter__", counted)
+        again = saver.get_delta_channel_history(config=latest, channels=["log"])
+        assert reads == [False]  # its seed was built by the first walk: nothing else read
+        monkeypatch.undo()
+        assert again == first
+        assert first == BaseCheckpointSaver.get_delta_channel_history(
+            saver, config=latest, channels=["log"]
+        )
+
+
 def test_delta_channel_walk_refuses_rows_edited_after_it_read_them(db_url: str) -> None:
     """A walk reuses what it verified only for rows whose content is unchanged: a write
     or a checkpoint row edited (digest recomputed, no key) after earlier walks read it

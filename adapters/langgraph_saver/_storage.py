@@ -293,40 +293,41 @@ class Storage:
         if not channels:
             return {}
         thread_id, ns, cid = _where(config)
-        collected: dict[str, builtins.list[Any]] = {c: [] for c in channels}
-        seed: dict[str, Any] = {}
-        remaining = set(channels)
         serde = self.serde
-        with self._lock:
-            if self._walk_keys is not self.keys:  # other keys: nothing verified holds
-                self._walk_rows.clear()
-                self._walk_seeds.clear()
-                self._walk_keys = self.keys
-            target = self._row_at(thread_id, ns, cid)
+
+        def walk(cur: Any) -> dict[str, dict[str, Any]]:
+            # Every read of the walk in one transaction: one snapshot of the chain (a
+            # concurrent prune or delete is seen whole or not at all), one BEGIN.
+            collected: dict[str, builtins.list[Any]] = {c: [] for c in channels}
+            seed: dict[str, Any] = {}
+            remaining = set(channels)
+            target = self._row_at(thread_id, ns, cid, cur)
             if target is not None:
                 self._walk_record(target)  # its parent link is followed: verified first
             cursor = None if target is None else target.parent_checkpoint_id
             size = 8
             while cursor and remaining:
-                page = self._ancestor_page(thread_id, ns, cursor, size)
+                page = self._ancestor_page(cur, thread_id, ns, cursor, size)
                 size = min(size * 4, 256)
-                chain: builtins.list[_Row] = []
+                found_rows: builtins.list[Any] = []
                 while cursor and cursor in page:
-                    row = page[cursor]
-                    chain.append(row)
-                    cursor = row.parent_checkpoint_id
-                if not chain:
+                    found_rows.append(page[cursor])
+                    cursor = page[cursor][3]  # the parent's id
+                if not found_rows:
                     break  # the parent's row is gone: the walk ends there, as LangGraph's
+                chain: builtins.list[_Row] = []
                 records: builtins.list[set[str]] = []
                 unseeded = set(remaining)
-                for row in chain:  # up to the last seed this page holds
+                for r in found_rows:  # up to the last seed this page holds
+                    row = _Row.of(r)
                     held = self._walk_record(row)
+                    chain.append(row)
                     records.append(held)
                     unseeded -= held
                     if not unseeded:
                         break
-                chain = chain[: len(records)]
-                writes = self._walk_writes(chain, remaining)
+                cursor = chain[-1].parent_checkpoint_id
+                writes = self._walk_writes(cur, chain, remaining)
                 for row, held in zip(chain, records, strict=True):
                     for task_id, channel, packed in reversed(writes.get(row.checkpoint_id, [])):
                         if channel in remaining:
@@ -338,7 +339,14 @@ class Storage:
                         remaining.difference_update(found)
                     if not remaining:
                         break
-        return self._history_out(channels, collected, seed)
+            return self._history_out(channels, collected, seed)
+
+        with self._lock:
+            if self._walk_keys is not self.keys:  # other keys: nothing verified holds
+                self._walk_rows.clear()
+                self._walk_seeds.clear()
+                self._walk_keys = self.keys
+            return self.store.read(walk)
 
     @staticmethod
     def _history_out(
@@ -352,21 +360,19 @@ class Storage:
             out[ch] = entry
         return out
 
-    def _ancestor_page(self, thread_id: str, ns: str, newest: str, size: int) -> dict[str, _Row]:
+    def _ancestor_page(
+        self, cur: Any, thread_id: str, ns: str, newest: str, size: int
+    ) -> dict[str, Any]:
         """Up to ``size`` rows of the namespace from checkpoint ``newest`` down (ids are
-        time-ordered: every ancestor of a checkpoint has a smaller id), by id."""
+        time-ordered: every ancestor of a checkpoint has a smaller id), as read, by id."""
         q = self._q
-        sql = (
+        cur.execute(
             f"SELECT {_CK_COLS} FROM oo_lg_checkpoints WHERE thread_id = {q} AND "
             f"checkpoint_ns = {q} AND checkpoint_id <= {q} ORDER BY checkpoint_id DESC "
-            f"LIMIT {int(size)}"
+            f"LIMIT {int(size)}",
+            (thread_id, ns, newest),
         )
-
-        def read(cur: Any) -> dict[str, _Row]:
-            cur.execute(sql, (thread_id, ns, newest))
-            return {str(r[2]): _Row.of(r) for r in cur.fetchall()}
-
-        return self.store.read(read)
+        return {str(r[2]): r for r in cur.fetchall()}
 
     def _remember(self, memo: OrderedDict[Any, Any], key: Any, value: Any, limit: int) -> None:
         memo[key] = value
@@ -400,7 +406,7 @@ class Storage:
         return held
 
     def _walk_writes(
-        self, chain: Sequence[_Row], channels: Iterable[str]
+        self, cur: Any, chain: Sequence[_Row], channels: Iterable[str]
     ) -> dict[str, builtins.list[tuple[str, str, Any]]]:
         """The pending writes to ``channels`` of the ``chain``'s checkpoints (one
         statement), each verified unless its exact content was, their values decoded but
@@ -417,17 +423,12 @@ class Storage:
             f"({', '.join([q] * len(ids))}) AND channel IN ({', '.join([q] * len(names))}) "
             "ORDER BY checkpoint_id, task_path, task_id, idx"
         )
-        params = (first.thread_id, first.checkpoint_ns, *ids, *names)
-
-        def read(cur: Any) -> builtins.list[Any]:
-            cur.execute(sql, params)
-            return builtins.list(cur.fetchall())
-
+        cur.execute(sql, (first.thread_id, first.checkpoint_ns, *ids, *names))
         out: dict[str, builtins.list[tuple[str, str, Any]]] = {}
         memo = self._walk_rows
-        for r in self.store.read(read):
+        for r in cur.fetchall():
             cid = str(r[0])
-            key = ("w", first.thread_id, first.checkpoint_ns, *map(_hashable, r))
+            key = ("w", first.thread_id, first.checkpoint_ns, *_hashable_row(r))
             if key in memo:
                 memo.move_to_end(key)
                 write = memo[key]
@@ -495,8 +496,11 @@ class Storage:
             return f"{sql} AND checkpoint_id = {q}", (thread_id, ns, str(checkpoint_id))
         return f"{sql} ORDER BY checkpoint_id DESC LIMIT 1", (thread_id, ns)
 
-    def _row_at(self, thread_id: str, ns: str, checkpoint_id: str | None) -> _Row | None:
-        """Checkpoint ``checkpoint_id``'s row (the namespace's latest without one)."""
+    def _row_at(
+        self, thread_id: str, ns: str, checkpoint_id: str | None, cur: Any = None
+    ) -> _Row | None:
+        """Checkpoint ``checkpoint_id``'s row (the namespace's latest without one), read
+        with ``cur`` (in a read transaction of its own without one)."""
         sql, params = self._row_query(thread_id, ns, checkpoint_id)
 
         def read(cur: Any) -> _Row | None:
@@ -504,7 +508,7 @@ class Storage:
             found = cur.fetchone()
             return None if found is None else _Row.of(found)
 
-        return self.store.read(read)
+        return self.store.read(read) if cur is None else read(cur)
 
     # -- delete, copy, prune -----------------------------------------------------------
     def delete_thread(self, thread_id: str) -> None:
@@ -1028,6 +1032,11 @@ def _where(config: RunnableConfig) -> tuple[str, str, str | None]:
     return str(conf["thread_id"]), str(conf.get("checkpoint_ns", "")), cid and str(cid)
 
 
-def _hashable(v: Any) -> Any:
-    """A column value as a dict key (drivers may return a buffer for a blob)."""
-    return bytes(v) if isinstance(v, memoryview | bytearray) else v
+def _hashable_row(r: Sequence[Any]) -> tuple[Any, ...]:
+    """A row's column values as a dict key (drivers may return a buffer for a blob)."""
+    if _BUFFERS.isdisjoint(map(type, r)):
+        return tuple(r)
+    return tuple(bytes(v) if isinstance(v, memoryview | bytearray) else v for v in r)
+
+
+_BUFFERS = frozenset({memoryview, bytearray})
