@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.engine import Engine
 
-from . import _engine
+from . import _engine, _retry
 from ._engine import READ_ONLY, lost_commit, translate
 from ._retry import DatabaseRetry, retried
 from ._sql import _SQL
@@ -218,8 +218,10 @@ class _Connections:
 
     @retried("read", idempotent=True)
     def read(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(cursor)`` in a read-only transaction (one snapshot on SQLite); run
-        again on a transient failure."""
+        """Run ``fn(cursor)`` in a read-only transaction (one snapshot); run again on a
+        transient failure. The store's reads inside ``fn`` on this thread (``load``,
+        ``load_each``, a nested ``read``) join it: one snapshot for all, and only the
+        outermost read is run again."""
         self._check_open()
         with translate("read"), _RawTxn(self, write=False) as cur:
             return fn(cur)
@@ -232,8 +234,10 @@ class _RawTxn:
     """A transaction on a DBAPI connection pinned to the calling thread (hot paths only).
 
     Each thread keeps one connection between transactions, so the hot path skips the
-    pool's check-out and reset (a nested transaction in the same thread gets a pooled
-    one). SQLite writers take the lock up front (``BEGIN IMMEDIATE``) so a transaction
+    pool's check-out and reset. A read inside a read of the same thread joins it (one
+    snapshot for both: what the outer read found is still there for the inner one, and
+    only the outermost read is retried); any other nested transaction gets a pooled
+    connection. SQLite writers take the lock up front (``BEGIN IMMEDIATE``) so a transaction
     never fails half-way on a lock upgrade; readers use a deferred ``BEGIN`` for one
     snapshot. A transaction that fails, including at COMMIT, is rolled back; a connection
     that cannot even roll back is discarded. A COMMIT whose answer was lost raises
@@ -248,10 +252,17 @@ class _RawTxn:
         self._cur: Any = None
         self._pinned = False
         self._pg_read: Any = None
+        self._joined = False
+        self._reading: Any = None
 
     def __enter__(self) -> Any:
-        self._conn, self._pinned = self._store._checkout()
         local = self._store._local
+        if not self._write:
+            outer = getattr(local, "reading", None)
+            if outer is not None:
+                self._joined = True
+                return outer
+        self._conn, self._pinned = self._store._checkout()
         self._outer_revs = getattr(local, "revs", None)
         local.revs = [] if self._write else self._outer_revs
         try:
@@ -271,9 +282,18 @@ class _RawTxn:
         except BaseException:
             self._store._discard(self._conn, self._pinned)
             raise
+        if not self._write and getattr(local, "reading", None) is None:
+            local.reading = self._cur  # reads nested in this one join it
+            self._reading = _retry._in_read.set(True)
         return self._cur
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self._joined:
+            return  # the read it joined ends it
+        if self._reading is not None:
+            self._store._local.reading = None
+            _retry._in_read.reset(self._reading)
+            self._reading = None
         conn = self._conn
         done = False
         try:

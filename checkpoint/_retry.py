@@ -134,6 +134,11 @@ class DatabaseRetry:
                 out (or :func:`interrupt_retries`' event was set) before an attempt
                 succeeded.
         """
+        if idempotent and _in_read.get():
+            # Inside a read transaction of this thread (a read nested in a read shares
+            # it): a failure has ended that transaction, so the outermost read retries
+            # the whole of it; an attempt here would only meet the same failed one.
+            return fn()
         outer = _scope.get()
         scope = _Scope(time.monotonic() + self.budget_s, None, action)
         if outer is not None:
@@ -205,6 +210,9 @@ class _Scope:
 _scope: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
     "onceonly_retry_scope", default=None
 )
+
+# Set while this thread or task holds a read transaction that nested reads join.
+_in_read: contextvars.ContextVar[bool] = contextvars.ContextVar("onceonly_in_read", default=False)
 
 
 @contextlib.contextmanager

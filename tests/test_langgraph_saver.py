@@ -540,3 +540,116 @@ def test_delta_channel_walk_refuses_rows_edited_after_it_read_them(db_url: str) 
         )
         with pytest.raises(CorruptRecord, match="keyed seal"):
             saver.get_delta_channel_history(config=latest, channels=["log"])
+
+
+def _thread_with_checkpoints(saver: OnceOnlySaver, thread: str) -> Any:
+    app = build(saver)
+    cfg = config(thread)
+    app.invoke(START_INPUT, cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("action", ["delete", "prune"])
+def test_get_tuple_reads_row_and_values_of_one_moment(
+    db_url: str, action: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another saver deleting or pruning the thread after this one read a checkpoint's
+    row but before it read the values the row names: the read still gives the state as
+    it was (one snapshot), never a false "values missing" alarm; the next read sees the
+    change."""
+    reader = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    other = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    with reader, other:
+        cfg = _thread_with_checkpoints(reader, "skew")
+        before = reader.get_tuple(cfg)
+        assert before is not None
+        load = reader.store.load
+        done: list[str] = []
+
+        def racing_load(*args: Any, **kwargs: Any) -> Any:
+            if not done:  # the row is read: now the other saver commits its change
+                done.append(action)
+                if action == "delete":
+                    other.delete_thread("skew")
+                else:
+                    other.prune(["skew"], strategy="keep_latest")
+            return load(*args, **kwargs)
+
+        monkeypatch.setattr(reader.store, "load", racing_load)
+        during = reader.get_tuple(cfg)
+        assert done == [action]
+        assert during is not None
+        assert during.checkpoint["channel_values"] == before.checkpoint["channel_values"]
+        assert during.config == before.config
+        after = reader.get_tuple(cfg)
+        if action == "delete":
+            assert after is None
+        else:  # the latest checkpoint survives a prune, stored afresh
+            assert after is not None
+            assert after.checkpoint["channel_values"] == before.checkpoint["channel_values"]
+
+
+@pytest.mark.parametrize("action", ["delete", "prune"])
+def test_list_leaves_out_what_was_deleted_after_it_began(
+    db_url: str, action: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing whose rows were read before another saver deleted or pruned the thread
+    gives what is there when it reads their values (nothing, or the pruned thread's
+    survivor as it is stored now), never a false "values missing" alarm."""
+    reader = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    other = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    with reader, other:
+        cfg = _thread_with_checkpoints(reader, "skew")
+        listed = list(reader.list(cfg))
+        assert len(listed) > 2
+        list_rows = reader._storage.list_rows
+
+        def racing_rows(*args: Any) -> Any:
+            rows = list_rows(*args)
+            if action == "delete":
+                other.delete_thread("skew")
+            else:
+                other.prune(["skew"], strategy="keep_latest")
+            return rows
+
+        monkeypatch.setattr(reader._storage, "list_rows", racing_rows)
+        during = list(reader.list(cfg))
+        if action == "delete":
+            assert during == []
+        else:
+            assert [t.config for t in during] == [listed[0].config]
+            assert during[0].checkpoint["channel_values"] == listed[0].checkpoint["channel_values"]
+
+
+def test_copy_thread_copies_one_moment_of_its_source(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another saver deleting the source thread while it is being copied (after its rows
+    were read, before their values): the copy is the source as it was when the copy read
+    it, whole."""
+    reader = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    other = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    with reader, other:
+        cfg = _thread_with_checkpoints(reader, "skew")
+        source = list(reader.list(cfg))
+        load = reader.store.load
+        done: list[bool] = []
+
+        def racing_load(*args: Any, **kwargs: Any) -> Any:
+            if not done:
+                done.append(True)
+                other.delete_thread("skew")
+            return load(*args, **kwargs)
+
+        monkeypatch.setattr(reader.store, "load", racing_load)
+        reader.copy_thread("skew", "copy")
+        monkeypatch.undo()
+        assert done == [True]
+        assert reader.get_tuple(cfg) is None
+        copied = list(reader.list(config("copy")))
+        assert [t.config["configurable"]["checkpoint_id"] for t in copied] == [
+            t.config["configurable"]["checkpoint_id"] for t in source
+        ]
+        assert [t.checkpoint["channel_values"] for t in copied] == [
+            t.checkpoint["channel_values"] for t in source
+        ]

@@ -22,6 +22,7 @@ from onceonly.checkpoint import (
     CodecError,
     ConcurrentWrite,
     ConfigurationError,
+    DatabaseUnavailable,
     Handoff,
     KeyframePolicy,
     LeaseHeld,
@@ -971,3 +972,58 @@ def test_connections_of_exited_threads_go_back_to_the_pool(store: Store) -> None
         assert not t.is_alive()
     assert len(store._pinned) <= 2  # this thread's, and at most the last exited one
     assert store.load(rid).state == {"n": 0}
+
+
+# -- reads nested in a read ----------------------------------------------------------------
+
+
+def test_a_load_inside_a_read_sees_the_reads_snapshot(
+    store: Store, open_store: Callable[..., Store]
+) -> None:
+    """``load`` and ``load_each`` inside ``read(fn)`` see the moment ``fn``'s statements
+    see: a checkpoint another store commits meanwhile is not there for them; after the
+    read, it is."""
+    run_id = new_run(store)
+    store.save(run_id, {"n": 1}, step="a")
+    reader, writer = open_store(), open_store()
+    q = reader.param
+
+    def fn(cur: Any) -> tuple[int, int, int, list[int]]:
+        cur.execute(f"SELECT head_seq FROM oo_runs WHERE run_id = {q}", (run_id,))
+        head = int(cur.fetchone()[0])
+        writer.save(run_id, {"n": 2}, step="b")  # committed on another connection, mid-read
+        snap = reader.load(run_id)
+        each = [info.seq for info, _ in reader.load_each(run_id, [0])]
+        return head, snap.info.seq, snap.state["n"], each
+
+    assert reader.read(fn) == (0, 0, 1, [0])
+    after = reader.load(run_id)
+    assert (after.info.seq, after.state["n"]) == (1, 2)
+
+
+def test_a_failure_inside_a_nested_read_retries_the_outermost_read(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transient failure in a ``load`` inside ``read(fn)`` ends the whole read: ``fn``
+    runs again in a new transaction, and the inner load is not retried on its own (its
+    transaction is the one that failed)."""
+    run_id = new_run(store)
+    store.save(run_id, {"n": 1}, step="a")
+    materialise = store._materialise
+    calls: list[str] = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls.append("materialise")
+        if calls.count("materialise") == 1:
+            raise DatabaseUnavailable("connection lost (test)", transient=True)
+        return materialise(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_materialise", flaky)
+    store._heads.clear()  # the load reads the database
+
+    def fn(cur: Any) -> int:
+        calls.append("fn")
+        return int(store.load(run_id).state["n"])
+
+    assert store.read(fn) == 1
+    assert calls == ["fn", "materialise", "fn", "materialise"]

@@ -179,19 +179,19 @@ class Storage:
         ns = str(conf.get("checkpoint_ns", ""))
         sql, params = self._row_query(thread_id, ns, get_checkpoint_id(config))
 
-        def read(cur: Any) -> tuple[_Row | None, list[Any]]:
+        def read(cur: Any) -> CheckpointTuple | None:
             cur.execute(sql, params)
             found = cur.fetchone()
             if found is None:
-                return None, []
+                return None
             row = _Row.of(found)
-            return row, self._select_writes(cur, [row])
+            # The channel values are loaded in this read too: the row, its writes and
+            # the values it names are of one moment (a prune or delete committed in
+            # between would otherwise read as values missing).
+            return self._tuple(row, self._select_writes(cur, [row]))
 
         with self._lock:
-            row, writes = self.store.read(read)
-            if row is None:
-                return None
-            return self._tuple(row, writes)
+            return self.store.read(read)
 
     def list_rows(
         self,
@@ -237,7 +237,22 @@ class Storage:
     ) -> builtins.list[CheckpointTuple]:
         """The tuples of ``rows`` (newest first) that match ``filter``: the channel values
         of each run's rows built in one forward walk (:meth:`Store.load_each`), not one
-        load per checkpoint."""
+        load per checkpoint.
+
+        ``rows`` were listed by an earlier read: they are read again here, with their
+        writes and values, in one read transaction. A row deleted since is left out,
+        and one rewritten since (a prune stores its values afresh) is taken as it is now,
+        as a listing that began after them would."""
+        if not rows:
+            return []
+        with self._lock:
+            return self.store.read(lambda cur: self._items(cur, rows, filter))
+
+    def _items(
+        self, cur: Any, listed: Sequence[_Row], filter: dict[str, Any] | None
+    ) -> builtins.list[CheckpointTuple]:
+        """:meth:`list_items` in the read transaction of ``cur``."""
+        rows = self._rows_now(cur, listed)
         if filter:
             kept = []
             for row in rows:
@@ -247,29 +262,51 @@ class Storage:
             rows = kept
         if not rows:
             return []
-        with self._lock:
-            writes = self.store.read(lambda cur: self._writes_of(cur, rows))
-            for row in rows:
-                self._verify(row)  # before anything of any row is decoded
-            by_run: dict[str, builtins.list[_Row]] = {}
-            for row in rows:
-                by_run.setdefault(row.run_id, []).append(row)
-            values: dict[tuple[str, int], dict[str, Any]] = {}
-            serde = self.serde
-            for run_id, run_rows in by_run.items():
-                try:
-                    for info, state in self.store.load_each(run_id, [r.seq for r in run_rows]):
-                        values[run_id, info.seq] = {k: unpack(v, serde) for k, v in state.items()}
-                except (RunNotFound, CheckpointNotFound) as exc:
-                    raise CorruptRecord(
-                        f"the channel values of a LangGraph checkpoint of thread "
-                        f"{run_rows[0].thread_id!r} are missing",
-                        run_id=run_id,
-                    ) from exc
-            return [
-                self._tuple(row, w, values=values[row.run_id, row.seq], verified=True)
-                for row, w in zip(rows, writes, strict=True)
-            ]
+        writes = self._writes_of(cur, rows)
+        for row in rows:
+            self._verify(row)  # before anything of any row is decoded
+        by_run: dict[str, builtins.list[_Row]] = {}
+        for row in rows:
+            by_run.setdefault(row.run_id, []).append(row)
+        values: dict[tuple[str, int], dict[str, Any]] = {}
+        serde = self.serde
+        for run_id, run_rows in by_run.items():
+            try:
+                for info, state in self.store.load_each(run_id, [r.seq for r in run_rows]):
+                    values[run_id, info.seq] = {k: unpack(v, serde) for k, v in state.items()}
+            except (RunNotFound, CheckpointNotFound) as exc:
+                raise CorruptRecord(
+                    f"the channel values of a LangGraph checkpoint of thread "
+                    f"{run_rows[0].thread_id!r} are missing",
+                    run_id=run_id,
+                ) from exc
+        return [
+            self._tuple(row, w, values=values[row.run_id, row.seq], verified=True)
+            for row, w in zip(rows, writes, strict=True)
+        ]
+
+    def _rows_now(self, cur: Any, listed: Sequence[_Row]) -> builtins.list[_Row]:
+        """``listed`` as they are now, in their order: deleted ones left out (one
+        statement per thread and namespace among them)."""
+        q = self._q
+        groups: dict[tuple[str, str], builtins.list[str]] = {}
+        for row in listed:
+            groups.setdefault((row.thread_id, row.checkpoint_ns), []).append(row.checkpoint_id)
+        now: dict[tuple[str, str, str], _Row] = {}
+        for (thread_id, ns), ids in groups.items():
+            cur.execute(
+                f"SELECT {_CK_COLS} FROM oo_lg_checkpoints WHERE thread_id = {q} AND "
+                f"checkpoint_ns = {q} AND checkpoint_id IN ({', '.join([q] * len(ids))})",
+                (thread_id, ns, *ids),
+            )
+            for r in cur.fetchall():
+                row = _Row.of(r)
+                now[row.thread_id, row.checkpoint_ns, row.checkpoint_id] = row
+        return [
+            now[key]
+            for row in listed
+            if (key := (row.thread_id, row.checkpoint_ns, row.checkpoint_id)) in now
+        ]
 
     def delta_history(
         self, config: RunnableConfig, channels: Sequence[str]
@@ -592,7 +629,7 @@ class Storage:
         src, dst = str(source_thread_id), str(target_thread_id)
         q = self._q
 
-        def read(cur: Any) -> tuple[list[_Row], list[Any]]:
+        def read(cur: Any) -> tuple[list[_Row], list[Any], list[dict[str, Any]]]:
             cur.execute(
                 f"SELECT {_CK_COLS} FROM oo_lg_checkpoints WHERE thread_id = {q} "
                 "ORDER BY checkpoint_ns, seq",
@@ -604,10 +641,14 @@ class Storage:
                 f"WHERE thread_id = {q}",
                 (src,),
             )
-            return rows, cur.fetchall()
+            found = cur.fetchall()
+            for row in rows:
+                self._verify(row)
+            # The values in the same read: of the same moment as the rows naming them.
+            return rows, found, [self._load_state(row) for row in rows]
 
         with self._lock:
-            rows, found = self.store.read(read)
+            rows, found, states = self.store.read(read)
             if not rows:
                 return
             # Nothing unverified is sealed afresh under the target thread.
@@ -617,10 +658,8 @@ class Storage:
                 task_id, idx, channel, path, value = cols[:5]
                 writes.append((str(ns), str(cid), str(task_id), int(idx), channel, path, value))
             placed: list[tuple[_Row, str, int]] = []
-            for row in rows:
-                self._verify(row)
+            for row, state in zip(rows, states, strict=True):
                 run_id = self._run_for(dst, row.checkpoint_ns)
-                state = self._load_state(row)
                 placed.append((row, run_id, self.store.save(run_id, state, step="copy").seq))
             sql = self._insert_writes_sql(replace=False)
 
@@ -955,7 +994,7 @@ class Storage:
         order) in a new store run and drop the old one with everything else."""
         q = self._q
 
-        def read(cur: Any) -> tuple[list[_Row], list[str]]:
+        def read(cur: Any) -> tuple[list[_Row], list[str], list[_Row], list[dict[str, Any]]]:
             cur.execute(
                 f"SELECT {_CK_COLS} FROM oo_lg_checkpoints WHERE thread_id = {q} AND "
                 f"checkpoint_ns = {q} ORDER BY seq",
@@ -967,10 +1006,17 @@ class Storage:
                 f"thread_id = {q} AND checkpoint_ns = {q}",
                 (thread_id, ns),
             )
-            return rows, [self._mapped_run(r) for r in cur.fetchall()]
+            mapped = [self._mapped_run(r) for r in cur.fetchall()]
+            keep_rows = keep(rows) if rows else []
+            if len(keep_rows) == len(rows):
+                return rows, mapped, keep_rows, []
+            keep_rows = sorted(keep_rows, key=lambda r: r.seq)
+            for row in keep_rows:
+                self._verify(row)
+            # The survivors' values in the same read: of the same moment as their rows.
+            return rows, mapped, keep_rows, [self._load_state(row) for row in keep_rows]
 
-        rows, mapped = self.store.read(read)
-        keep_rows = keep(rows) if rows else []
+        rows, mapped, keep_rows, states = self.store.read(read)
         if len(keep_rows) == len(rows) and rows:
             return
         old_runs = {r.run_id for r in rows} | set(mapped)
@@ -983,9 +1029,8 @@ class Storage:
                 run_id=new_run,
                 handoff=Handoff(goal=f"LangGraph thread {thread_id!r}, namespace {ns!r}"),
             )
-            for row in sorted(keep_rows, key=lambda r: r.seq):
-                self._verify(row)
-                info = self.store.save(new_run, self._load_state(row), step="rewrite")
+            for row, state in zip(keep_rows, states, strict=True):
+                info = self.store.save(new_run, state, step="rewrite")
                 placed.append((row, info.seq))
         dropped = [r.checkpoint_id for r in rows if r.checkpoint_id not in keep_ids]
 
