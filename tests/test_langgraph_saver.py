@@ -10,6 +10,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
@@ -24,6 +25,7 @@ from sqlalchemy import create_engine, text
 from onceonly.adapters._langgraph_values import SerdeValue, register
 from onceonly.adapters.langgraph_saver import OnceOnlySaver, copy_threads
 from onceonly.checkpoint import ConfigurationError, CorruptRecord, KeyframePolicy, Store
+from tests.conftest import _fresh_pg_database
 from tests.langgraph_saver_graph import START_INPUT, build, config, summary
 from tests.ledger_support import K1, keyring
 
@@ -653,3 +655,110 @@ def test_copy_thread_copies_one_moment_of_its_source(
         assert [t.checkpoint["channel_values"] for t in copied] == [
             t.checkpoint["channel_values"] for t in source
         ]
+
+
+def test_prune_keeps_a_checkpoint_put_while_it_was_pruning(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another saver's put into the thread after ``prune(keep_latest)`` read the thread
+    but before it rewrote it: the put is not lost (its values are not dropped with the
+    old store run), and the thread's latest checkpoint is the put's."""
+    pruner = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    other = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    with pruner, other:
+        cfg = _thread_with_checkpoints(pruner, "race")
+        assert len(list(pruner.list(cfg))) > 2
+        create_run = pruner.store.create_run
+        raced: list[Any] = []
+
+        def racing_create_run(*args: Any, **kwargs: Any) -> Any:
+            if not raced:  # the thread is read: now the other saver puts into it
+                raced.append(build(other).update_state(cfg, {"answer": "raced"}))
+            return create_run(*args, **kwargs)
+
+        monkeypatch.setattr(pruner.store, "create_run", racing_create_run)
+        pruner.prune(["race"], strategy="keep_latest")
+        monkeypatch.undo()
+        assert len(raced) == 1
+        latest = pruner.get_tuple(cfg)
+        assert latest is not None
+        assert (
+            latest.config["configurable"]["checkpoint_id"]
+            == (raced[0]["configurable"]["checkpoint_id"])
+        )
+        assert latest.checkpoint["channel_values"]["answer"] == "raced"
+        listed = list(pruner.list(cfg))  # every row left names values that are there
+        assert listed[0].checkpoint["channel_values"]["answer"] == "raced"
+        # The attempt that found the namespace changed left no store run behind.
+        runs = _sql(db_url, "SELECT run_id FROM oo_runs")
+        assert sorted(r[0] for r in runs) == sorted(
+            r[0] for r in _sql(db_url, "SELECT run_id FROM oo_lg_threads")
+        )
+
+
+@pytest.fixture
+def pg_db_url(pg_server_url: str) -> Iterator[str]:
+    """A fresh PostgreSQL database (SQLite has one writer at a time: nothing of another
+    writer is ever in flight beside a transaction there)."""
+    if os.environ.get("ONCEONLY_TEST_NO_PG") == "1":
+        pytest.skip("ONCEONLY_TEST_NO_PG=1: the PostgreSQL tests do not run")
+    url, drop = _fresh_pg_database(pg_server_url)
+    try:
+        yield url
+    finally:
+        drop()
+
+
+def test_delete_thread_waits_for_a_put_in_flight_and_deletes_it_too(pg_db_url: str) -> None:
+    """A put into the thread that holds its store run when ``delete_thread`` starts (here
+    a transaction that locked the run row and inserted a checkpoint row, as a put does) is
+    waited for, and its row is deleted with the rest: no checkpoint row is left naming a
+    dropped store run."""
+    import threading
+
+    db_url = pg_db_url
+
+    saver = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    with saver:
+        _thread_with_checkpoints(saver, "inflight")
+        ((run_id,),) = _sql(db_url, "SELECT run_id FROM oo_lg_threads WHERE thread_id = 'inflight'")
+        eng = create_engine(db_url)
+        put = eng.connect()
+        try:
+            txn = put.begin()
+            put.execute(text("SELECT 1 FROM oo_runs WHERE run_id = :r FOR UPDATE"), {"r": run_id})
+            put.execute(
+                text(
+                    "INSERT INTO oo_lg_checkpoints (thread_id, checkpoint_ns, checkpoint_id, "
+                    "parent_checkpoint_id, run_id, seq, lg_run_id, record, digest, seal, "
+                    "created_at) VALUES ('inflight', '', 'zzz-in-flight', NULL, :r, 999, "
+                    "NULL, :b, :b, NULL, 0)"
+                ),
+                {"r": run_id, "b": b"x"},
+            )
+            errors: list[BaseException] = []
+
+            def delete() -> None:
+                try:
+                    saver.delete_thread("inflight")
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            worker = threading.Thread(target=delete)
+            worker.start()
+            waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            for _ in range(6000):  # until the delete waits for the put's lock (<= 60 s)
+                if _sql(db_url, waiting)[0][0]:
+                    break
+                worker.join(0.01)
+            else:
+                raise AssertionError("delete_thread never waited for the put in flight")
+            txn.commit()
+        finally:
+            put.close()
+            eng.dispose()
+        worker.join(120)
+        assert not worker.is_alive()
+        assert errors == []
+        assert _sql(db_url, "SELECT checkpoint_id FROM oo_lg_checkpoints") == []
+        assert _sql(db_url, "SELECT run_id FROM oo_runs WHERE run_id = :r", r=run_id) == []

@@ -554,13 +554,23 @@ class Storage:
         tid = str(thread_id)
         q = self._q
 
-        def delete(cur: Any) -> None:
+        def runs_of(cur: Any) -> set[str]:
             cur.execute(f"SELECT run_id FROM oo_lg_threads WHERE thread_id = {q}", (tid,))
             runs = {str(r[0]) for r in cur.fetchall()}
             cur.execute(
                 f"SELECT DISTINCT run_id FROM oo_lg_checkpoints WHERE thread_id = {q}", (tid,)
             )
             runs.update(str(r[0]) for r in cur.fetchall())
+            return runs
+
+        def delete(cur: Any) -> None:
+            # The thread's store runs held first (a put into one holds it too), read
+            # again until no new one appears: a put either committed before (its rows
+            # are deleted here) or waits and then finds its run gone (it starts anew).
+            runs: set[str] = set()
+            while (found := runs_of(cur)) - runs:
+                runs |= found
+                self._hold_runs(cur, runs)
             for table in ("oo_lg_writes", "oo_lg_checkpoints", "oo_lg_threads"):
                 cur.execute(f"DELETE FROM {table} WHERE thread_id = {q}", (tid,))
             _schema.drop_store_runs(cur, self.store.dialect, q, runs)
@@ -991,7 +1001,27 @@ class Storage:
 
     def _rewrite(self, thread_id: str, ns: str, keep: Any) -> None:
         """Store a namespace's surviving checkpoints (``keep(rows)``, rows in history
-        order) in a new store run and drop the old one with everything else."""
+        order) in a new store run and drop the old one with everything else; read and
+        rewritten again when another writer changed the namespace in between.
+
+        Raises:
+            ConcurrentWrite: The namespace kept changing under every attempt.
+        """
+        for attempt in range(_ATTEMPTS):
+            try:
+                self._rewrite_once(thread_id, ns, keep)
+                return
+            except ConcurrentWrite:
+                if attempt == _ATTEMPTS - 1:
+                    raise
+
+    def _rewrite_once(self, thread_id: str, ns: str, keep: Any) -> None:
+        """:meth:`_rewrite`, one attempt.
+
+        Raises:
+            ConcurrentWrite: The namespace's rows or its store run changed after they
+                were read (a put from another saver): nothing was written.
+        """
         q = self._q
 
         def read(cur: Any) -> tuple[list[_Row], list[str], list[_Row], list[dict[str, Any]]]:
@@ -1035,6 +1065,28 @@ class Storage:
         dropped = [r.checkpoint_id for r in rows if r.checkpoint_id not in keep_ids]
 
         def write(cur: Any) -> None:
+            # A put into the namespace holds its store run's row (PostgreSQL; SQLite
+            # has one writer at a time): with the old runs held, the namespace is
+            # checked to be as read, and no put can land in a run about to be dropped.
+            self._hold_runs(cur, old_runs)
+            cur.execute(
+                f"SELECT checkpoint_id, run_id, seq FROM oo_lg_checkpoints WHERE "
+                f"thread_id = {q} AND checkpoint_ns = {q}",
+                (thread_id, ns),
+            )
+            now = {(str(c), str(r), int(n)) for c, r, n in cur.fetchall()}
+            cur.execute(
+                f"SELECT run_id FROM oo_lg_threads WHERE thread_id = {q} AND checkpoint_ns = {q}",
+                (thread_id, ns),
+            )
+            mapped_now = sorted(str(r[0]) for r in cur.fetchall())
+            if now != {(r.checkpoint_id, r.run_id, r.seq) for r in rows} or mapped_now != sorted(
+                mapped
+            ):
+                newest = max((r for r in rows), key=lambda r: r.seq, default=None)
+                raise ConcurrentWrite(
+                    newest.run_id if newest else "", -1 if newest is None else newest.seq
+                )
             where = f"thread_id = {q} AND checkpoint_ns = {q} AND checkpoint_id = {q}"
             for cid in dropped:
                 cur.execute(f"DELETE FROM oo_lg_writes WHERE {where}", (thread_id, ns, cid))
@@ -1065,9 +1117,29 @@ class Storage:
             _schema.drop_store_runs(cur, self.store.dialect, q, old_runs)
 
         try:
-            self.store.transact(write)
+            # The new run's checkpoints commit with the rewrite or not at all.
+            self.store.transact(write, together=(new_run,) if keep_rows else ())
+        except BaseException:
+            if keep_rows:  # its run row was committed on its own: not left behind
+                self.store.transact(
+                    lambda cur: _schema.drop_store_runs(cur, self.store.dialect, q, [new_run])
+                )
+            raise
         finally:
             self._runs.pop((thread_id, ns), None)
+
+    def _hold_runs(self, cur: Any, run_ids: Iterable[str]) -> None:
+        """Lock store runs' rows until the transaction ends (PostgreSQL; a SQLite writer
+        holds the whole database already), in one order (no deadlock between two)."""
+        ids = sorted(set(run_ids))
+        if ids and self.store.dialect == "postgresql":
+            q = self._q
+            cur.execute(
+                f"SELECT run_id FROM oo_runs WHERE run_id IN ({', '.join([q] * len(ids))}) "
+                "ORDER BY run_id FOR UPDATE",
+                ids,
+            )
+            cur.fetchall()
 
 
 def _where(config: RunnableConfig) -> tuple[str, str, str | None]:
