@@ -68,7 +68,9 @@ CALLS = [
     {"name": "book_room", "args": {"room": "r-12", "night": "2025-05-01"}, "id": "call_book"},
     {"name": "notify", "args": {"to": "guest@example.com"}, "id": "call_notify"},
 ]
-TIMEOUT = httpx.Timeout(10.0)
+# Generous: these fakes never delay on purpose, and a loaded or paused machine can
+# stall a thread for seconds (a quiet CI run once read nothing for 10 s here).
+TIMEOUT = httpx.Timeout(60.0)
 HOLD_S = 60.0  # a held save gives up waiting for a reader (the test has failed by then)
 
 

@@ -74,7 +74,9 @@ PLANS: dict[str, list[list[dict[str, str]]]] = {
     "parallel": [[R12, R12], [R12]],
 }
 """Per plan, the model's messages in order, each the bookings it asks for."""
-TIMEOUT = httpx.Timeout(10.0)
+# Generous: these fakes never delay on purpose, and a loaded or paused machine can
+# stall a thread for seconds (a quiet CI run once read nothing for 10 s here).
+TIMEOUT = httpx.Timeout(60.0)
 INPUT: Any = {"messages": [("user", "Book the rooms")]}
 
 

@@ -45,7 +45,9 @@ from tests.langgraph_durability import CALLS, lookup_probe
 
 __all__ = ["ScriptedModel"]
 
-TIMEOUT = httpx.Timeout(10.0)
+# Generous: these fakes never delay on purpose, and a loaded or paused machine can
+# stall a thread for seconds (a quiet CI run once read nothing for 10 s here).
+TIMEOUT = httpx.Timeout(60.0)
 
 
 class ScriptedModel(BaseChatModel):
