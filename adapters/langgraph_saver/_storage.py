@@ -338,7 +338,7 @@ class Storage:
             collected: dict[str, builtins.list[Any]] = {c: [] for c in channels}
             seed: dict[str, Any] = {}
             remaining = set(channels)
-            target = self._row_at(thread_id, ns, cid, cur)
+            target = self._row_at(cur, thread_id, ns, cid)
             if target is not None:
                 self._walk_record(target)  # its parent link is followed: verified first
             cursor = None if target is None else target.parent_checkpoint_id
@@ -533,19 +533,13 @@ class Storage:
             return f"{sql} AND checkpoint_id = {q}", (thread_id, ns, str(checkpoint_id))
         return f"{sql} ORDER BY checkpoint_id DESC LIMIT 1", (thread_id, ns)
 
-    def _row_at(
-        self, thread_id: str, ns: str, checkpoint_id: str | None, cur: Any = None
-    ) -> _Row | None:
+    def _row_at(self, cur: Any, thread_id: str, ns: str, checkpoint_id: str | None) -> _Row | None:
         """Checkpoint ``checkpoint_id``'s row (the namespace's latest without one), read
-        with ``cur`` (in a read transaction of its own without one)."""
+        with ``cur``."""
         sql, params = self._row_query(thread_id, ns, checkpoint_id)
-
-        def read(cur: Any) -> _Row | None:
-            cur.execute(sql, params)
-            found = cur.fetchone()
-            return None if found is None else _Row.of(found)
-
-        return self.store.read(read) if cur is None else read(cur)
+        cur.execute(sql, params)
+        found = cur.fetchone()
+        return None if found is None else _Row.of(found)
 
     # -- delete, copy, prune -----------------------------------------------------------
     def delete_thread(self, thread_id: str) -> None:
@@ -1083,7 +1077,7 @@ class Storage:
             if now != {(r.checkpoint_id, r.run_id, r.seq) for r in rows} or mapped_now != sorted(
                 mapped
             ):
-                newest = max((r for r in rows), key=lambda r: r.seq, default=None)
+                newest = max(rows, key=lambda r: r.seq, default=None)
                 raise ConcurrentWrite(
                     newest.run_id if newest else "", -1 if newest is None else newest.seq
                 )
