@@ -284,7 +284,7 @@ class _RawTxn:
             raise
         if not self._write and getattr(local, "reading", None) is None:
             local.reading = self._cur  # reads nested in this one join it
-            self._reading = _retry._in_read.set(True)
+            self._reading = _retry._in_read.set(_retry._in_read.get() | {id(self._store)})
         return self._cur
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:

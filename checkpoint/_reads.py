@@ -262,7 +262,7 @@ class _Reads(_Writer):
                 with translate("read list chunks"), _RawTxn(self, write=False) as cur:
                     return self._read_blobs(cur, run_id, None, wanted)[0]
 
-            values = self.retry.call("read list chunks", read, idempotent=True)
+            values = self.retry.call("read list chunks", read, idempotent=True, store=self)
             return {h.hex(): v for h, v in values.items()}
 
         return fetch

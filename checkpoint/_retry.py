@@ -115,7 +115,9 @@ class DatabaseRetry:
         state.attempt_number = max(attempt, 1)
         return float(self.wait()(state))
 
-    def call(self, action: str, fn: Callable[[], T], *, idempotent: bool) -> T:
+    def call(
+        self, action: str, fn: Callable[[], T], *, idempotent: bool, store: object = None
+    ) -> T:
         """Run ``fn`` (one transaction, or a call made of transactions), retrying it on
         transient failures per these rules.
 
@@ -125,6 +127,11 @@ class DatabaseRetry:
                 nothing.
             idempotent: Running ``fn`` again after its COMMIT may have gone through is
                 harmless, so a lost COMMIT is retried too.
+            store: The store whose read transaction ``fn``'s reads would join: inside
+                a read of that store on this thread or task, a failure has ended the
+                read ``fn`` joined, so the outermost read retries instead of this call
+                (None: a read of any store; :data:`NO_READ`: ``fn`` joins none, as a
+                write transaction).
 
         Returns:
             What ``fn`` returned.
@@ -134,7 +141,8 @@ class DatabaseRetry:
                 out (or :func:`interrupt_retries`' event was set) before an attempt
                 succeeded.
         """
-        if idempotent and _in_read.get():
+        reading = _in_read.get()
+        if idempotent and reading and (store is None or id(store) in reading):
             # Inside a read transaction of this thread (a read nested in a read shares
             # it): a failure has ended that transaction, so the outermost read retries
             # the whole of it; an attempt here would only meet the same failed one.
@@ -211,8 +219,14 @@ _scope: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
     "onceonly_retry_scope", default=None
 )
 
-# Set while this thread or task holds a read transaction that nested reads join.
-_in_read: contextvars.ContextVar[bool] = contextvars.ContextVar("onceonly_in_read", default=False)
+NO_READ = object()
+"""``DatabaseRetry.call(store=NO_READ)``: the work joins no read transaction."""
+
+# The stores (by id) whose read transaction this thread or task holds: nested reads of
+# the same store join it; another store's calls retry on their own.
+_in_read: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "onceonly_in_read", default=frozenset()
+)
 
 
 @contextlib.contextmanager
@@ -300,7 +314,7 @@ def retried(
         @functools.wraps(method)
         def wrapper(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
             return self.retry.call(
-                action, lambda: method(self, *args, **kwargs), idempotent=idempotent
+                action, lambda: method(self, *args, **kwargs), idempotent=idempotent, store=self
             )
 
         return wrapper

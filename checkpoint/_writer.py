@@ -11,7 +11,7 @@ from . import _engine
 from ._blobs import _Blobs
 from ._connections import _RawTxn
 from ._engine import classify, is_integrity_error, translate
-from ._retry import retried
+from ._retry import NO_READ, retried
 from ._sql import _row_parts
 from ._state import _Barrier, _Pending
 from .errors import ConcurrentWrite, ConfigurationError, CorruptRecord
@@ -84,7 +84,10 @@ class _Writer(_Blobs):
             ConfigurationError: ``together`` on a store that writes in ``async`` mode.
         """
         return self.retry.call(
-            "run a transaction", lambda: self._transact(fn, together), idempotent=idempotent
+            "run a transaction",
+            lambda: self._transact(fn, together),
+            idempotent=idempotent,
+            store=NO_READ,  # a write has its own transaction: it retries itself
         )
 
     def _transact(self, fn: Callable[[Any], T], together: Iterable[str] = ()) -> T:

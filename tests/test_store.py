@@ -1027,3 +1027,42 @@ def test_a_failure_inside_a_nested_read_retries_the_outermost_read(
 
     assert store.read(fn) == 1
     assert calls == ["fn", "materialise", "fn", "materialise"]
+
+
+def test_another_stores_call_inside_a_read_retries_on_its_own(
+    store: Store, open_store: Callable[..., Store], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Joining is per store: a transient failure of another store's ``load`` inside
+    ``read(fn)`` is retried by that load alone (its transaction is its own), and ``fn``
+    runs once; a write inside the read retries on its own too."""
+    run_id = new_run(store)
+    store.save(run_id, {"n": 1}, step="a")
+    other = open_store()
+    materialise = other._materialise
+    transact = other._transact
+    calls: list[str] = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls.append("materialise")
+        if calls.count("materialise") == 1:
+            raise DatabaseUnavailable("connection lost (test)", transient=True)
+        return materialise(*args, **kwargs)
+
+    def flaky_write(*args: Any, **kwargs: Any) -> Any:
+        calls.append("write")
+        if calls.count("write") == 1:
+            raise DatabaseUnavailable("connection lost (test)", transient=True)
+        return transact(*args, **kwargs)
+
+    monkeypatch.setattr(other, "_materialise", flaky)
+    monkeypatch.setattr(store, "_transact", flaky_write)
+    other._heads.clear()
+
+    def fn(cur: Any) -> int:
+        calls.append("fn")
+        n = int(other.load(run_id).state["n"])
+        store.transact(lambda conn: None)
+        return n
+
+    assert store.read(fn) == 1
+    assert calls == ["fn", "materialise", "materialise", "write", "write"]
