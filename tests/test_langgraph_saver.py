@@ -604,17 +604,17 @@ def test_list_leaves_out_what_was_deleted_after_it_began(
         cfg = _thread_with_checkpoints(reader, "skew")
         listed = list(reader.list(cfg))
         assert len(listed) > 2
-        list_rows = reader._storage.list_rows
+        list_keys = reader._storage.list_keys
 
-        def racing_rows(*args: Any) -> Any:
-            rows = list_rows(*args)
+        def racing_keys(*args: Any) -> Any:
+            keys = list_keys(*args)
             if action == "delete":
                 other.delete_thread("skew")
             else:
                 other.prune(["skew"], strategy="keep_latest")
-            return rows
+            return keys
 
-        monkeypatch.setattr(reader._storage, "list_rows", racing_rows)
+        monkeypatch.setattr(reader._storage, "list_keys", racing_keys)
         during = list(reader.list(cfg))
         if action == "delete":
             assert during == []

@@ -193,15 +193,16 @@ class Storage:
         with self._lock:
             return self.store.read(read)
 
-    def list_rows(
+    def list_keys(
         self,
         config: RunnableConfig | None,
         filter: dict[str, Any] | None,
         before: RunnableConfig | None,
         limit: int | None,
-    ) -> builtins.list[_Row]:
-        """The record rows :meth:`OnceOnlySaver.list` reads, newest first; with a
-        ``filter``, not yet filtered (nor limited)."""
+    ) -> builtins.list[_Key]:
+        """Which checkpoints :meth:`OnceOnlySaver.list` gives, newest first, as
+        (thread id, namespace, checkpoint id); with a ``filter``, not yet filtered (nor
+        limited). Only the keys: :meth:`list_items` reads the rows."""
         q = self._q
         where: list[str] = []
         params: list[Any] = []
@@ -219,40 +220,40 @@ class Storage:
         if before_id:
             where.append(f"checkpoint_id < {q}")
             params.append(str(before_id))
-        sql = f"SELECT {_CK_COLS} FROM oo_lg_checkpoints"
+        sql = "SELECT thread_id, checkpoint_ns, checkpoint_id FROM oo_lg_checkpoints"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY checkpoint_id DESC"
         if limit is not None and not filter:
             sql += f" LIMIT {int(limit)}"
 
-        def read(cur: Any) -> list[_Row]:
+        def read(cur: Any) -> list[_Key]:
             cur.execute(sql, params)
-            return [_Row.of(r) for r in cur.fetchall()]
+            return [(str(t), str(ns), str(c)) for t, ns, c in cur.fetchall()]
 
         return self.store.read(read)
 
     def list_items(
-        self, rows: Sequence[_Row], filter: dict[str, Any] | None
+        self, keys: Sequence[_Key], filter: dict[str, Any] | None
     ) -> builtins.list[CheckpointTuple]:
-        """The tuples of ``rows`` (newest first) that match ``filter``: the channel values
-        of each run's rows built in one forward walk (:meth:`Store.load_each`), not one
-        load per checkpoint.
+        """The tuples of the checkpoints ``keys`` name (newest first) that match
+        ``filter``: their rows, writes and values read in one read transaction, the
+        channel values of each run's rows built in one forward walk
+        (:meth:`Store.load_each`), not one load per checkpoint.
 
-        ``rows`` were listed by an earlier read: they are read again here, with their
-        writes and values, in one read transaction. A row deleted since is left out,
-        and one rewritten since (a prune stores its values afresh) is taken as it is now,
-        as a listing that began after them would."""
-        if not rows:
+        ``keys`` were listed by an earlier read: a checkpoint deleted since is left
+        out, and one rewritten since (a prune stores its values afresh) is taken as it
+        is now, as a listing that began after them would."""
+        if not keys:
             return []
         with self._lock:
-            return self.store.read(lambda cur: self._items(cur, rows, filter))
+            return self.store.read(lambda cur: self._items(cur, keys, filter))
 
     def _items(
-        self, cur: Any, listed: Sequence[_Row], filter: dict[str, Any] | None
+        self, cur: Any, keys: Sequence[_Key], filter: dict[str, Any] | None
     ) -> builtins.list[CheckpointTuple]:
         """:meth:`list_items` in the read transaction of ``cur``."""
-        rows = self._rows_now(cur, listed)
+        rows = self._rows_now(cur, keys)
         if filter:
             kept = []
             for row in rows:
@@ -285,28 +286,28 @@ class Storage:
             for row, w in zip(rows, writes, strict=True)
         ]
 
-    def _rows_now(self, cur: Any, listed: Sequence[_Row]) -> builtins.list[_Row]:
-        """``listed`` as they are now, in their order: deleted ones left out (one
-        statement per thread and namespace among them)."""
-        q = self._q
-        groups: dict[tuple[str, str], builtins.list[str]] = {}
-        for row in listed:
-            groups.setdefault((row.thread_id, row.checkpoint_ns), []).append(row.checkpoint_id)
-        now: dict[tuple[str, str, str], _Row] = {}
-        for (thread_id, ns), ids in groups.items():
+    def _rows_now(self, cur: Any, keys: Sequence[_Key]) -> builtins.list[_Row]:
+        """The rows ``keys`` name as they are now, in their order: deleted ones left out
+        (one statement per thread and namespace among them)."""
+        now: dict[_Key, _Row] = {}
+        for (thread_id, ns), ids in _by_namespace(keys).items():
             cur.execute(
-                f"SELECT {_CK_COLS} FROM oo_lg_checkpoints WHERE thread_id = {q} AND "
-                f"checkpoint_ns = {q} AND checkpoint_id IN ({', '.join([q] * len(ids))})",
-                (thread_id, ns, *ids),
+                *self._in_namespace(f"SELECT {_CK_COLS} FROM oo_lg_checkpoints", thread_id, ns, ids)
             )
             for r in cur.fetchall():
                 row = _Row.of(r)
                 now[row.thread_id, row.checkpoint_ns, row.checkpoint_id] = row
-        return [
-            now[key]
-            for row in listed
-            if (key := (row.thread_id, row.checkpoint_ns, row.checkpoint_id)) in now
-        ]
+        return [now[key] for key in keys if key in now]
+
+    def _in_namespace(
+        self, select: str, thread_id: str, ns: str, ids: Sequence[str]
+    ) -> tuple[str, tuple[str, ...]]:
+        """``select`` restricted to checkpoints ``ids`` of one thread and namespace, and
+        its parameters."""
+        q = self._q
+        marks = ", ".join([q] * len(ids))
+        where = f"WHERE thread_id = {q} AND checkpoint_ns = {q} AND checkpoint_id IN ({marks})"
+        return f"{select} {where}", (thread_id, ns, *ids)
 
     def delta_history(
         self, config: RunnableConfig, channels: Sequence[str]
@@ -820,23 +821,16 @@ class Storage:
     def _writes_of(self, cur: Any, rows: Sequence[_Row]) -> builtins.list[builtins.list[Any]]:
         """The pending-write rows of each of ``rows`` (as :meth:`_select_writes` orders
         them), one statement per thread and namespace among them."""
-        q = self._q
-        groups: dict[tuple[str, str], builtins.list[str]] = {}
-        for row in rows:
-            groups.setdefault((row.thread_id, row.checkpoint_ns), []).append(row.checkpoint_id)
-        found: dict[tuple[str, str, str], builtins.list[Any]] = {}
-        for (thread_id, ns), ids in groups.items():
-            cur.execute(
-                f"SELECT checkpoint_id, {_WRITE_COLS} FROM oo_lg_writes "
-                f"WHERE thread_id = {q} AND checkpoint_ns = {q} AND checkpoint_id IN "
-                f"({', '.join([q] * len(ids))}) ORDER BY checkpoint_id, task_path, task_id, idx",
-                (thread_id, ns, *ids),
+        keys = [(row.thread_id, row.checkpoint_ns, row.checkpoint_id) for row in rows]
+        found: dict[_Key, builtins.list[Any]] = {}
+        for (thread_id, ns), ids in _by_namespace(keys).items():
+            sql, params = self._in_namespace(
+                f"SELECT checkpoint_id, {_WRITE_COLS} FROM oo_lg_writes", thread_id, ns, ids
             )
+            cur.execute(sql + " ORDER BY checkpoint_id, task_path, task_id, idx", params)
             for r in cur.fetchall():
                 found.setdefault((thread_id, ns, str(r[0])), []).append(tuple(r[1:]))
-        return [
-            found.get((row.thread_id, row.checkpoint_ns, row.checkpoint_id), []) for row in rows
-        ]
+        return [found.get(key, []) for key in keys]
 
     def _select_writes(self, cur: Any, rows: Sequence[_Row]) -> builtins.list[Any]:
         q = self._q
@@ -1151,3 +1145,14 @@ def _hashable_row(r: Sequence[Any]) -> tuple[Any, ...]:
 
 
 _BUFFERS = frozenset({memoryview, bytearray})
+
+_Key = tuple[str, str, str]
+"""A checkpoint's (thread id, namespace, checkpoint id)."""
+
+
+def _by_namespace(keys: Iterable[_Key]) -> dict[tuple[str, str], builtins.list[str]]:
+    """The checkpoint ids of ``keys`` by thread and namespace (one statement each)."""
+    groups: dict[tuple[str, str], builtins.list[str]] = {}
+    for thread_id, ns, cid in keys:
+        groups.setdefault((thread_id, ns), []).append(cid)
+    return groups

@@ -252,16 +252,16 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             before: Only checkpoints older than this one.
             limit: At most this many.
         """
-        rows = self._call(self._storage.list_rows, config, filter, before, limit)
+        keys = self._call(self._storage.list_keys, config, filter, before, limit)
         if limit is not None and limit <= 0:
             return
         n = 0
         at = 0
-        while at < len(rows):
+        while at < len(keys):
             # Batches whose values are built in one forward walk (no more than a limit
             # asks for: a filter may skip some, then the next batch reads on).
             size = _LIST_BATCH if limit is None else min(_LIST_BATCH, max(limit - n, 1))
-            part = rows[at : at + size]
+            part = keys[at : at + size]
             at += len(part)
             for tup in self._call(self._storage.list_items, part, filter):
                 yield tup
