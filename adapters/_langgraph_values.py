@@ -84,15 +84,22 @@ def pack(v: Any, serde: Serde, memo: PackMemo | None = None) -> Any:
     if t is str or t is int or t is float or t is bool or v is None or t is bytes:
         return v
     if t is list:
+        if _STR_ONLY.issuperset(map(type, v)):
+            return v.copy()  # strings only (checked in C): nothing to pack
         return [x if type(x) is str else pack(x, serde, memo) for x in v]
     if t is dict:
-        if all(type(k) is str for k in v):
+        if _STR_ONLY.issuperset(map(type, v)):
+            if _STR_ONLY.issuperset(map(type, v.values())):
+                return v.copy()
             return {k: (x if type(x) is str else pack(x, serde, memo)) for k, x in v.items()}
     elif t is tuple:
         return tuple(pack(x, serde, memo) for x in v)
     if memo is None:
         return _dump(v, serde)
     return memo.pack(v, serde)
+
+
+_STR_ONLY = frozenset({str})
 
 
 def _dump(v: Any, serde: Serde) -> SerdeValue:

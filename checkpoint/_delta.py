@@ -312,7 +312,24 @@ def private_copy(v: Any) -> Any:
 
 
 def _pageable(v: Any) -> bool:
-    return type(v) is dict and all(type(k) is str and k[:1] != "\x00" for k in v)
+    """Whether ``v`` is a dict whose keys are all strings, none starting with NUL (the
+    codec's tag prefix): checked in C for the common case (a channel's state of
+    thousands of keys is checked on every save)."""
+    if type(v) is not dict:
+        return False
+    if not v:
+        return True
+    if _STR_ONLY.issuperset(map(type, v)):
+        # A key starting with NUL sorts before every other key but "": the least key
+        # tells, unless it is "".
+        least: str = min(v)
+        if least:
+            return least[:1] != "\x00"
+        return all(k[:1] != "\x00" for k in v)
+    return False
+
+
+_STR_ONLY = frozenset({str})
 
 
 # -- diff and apply ------------------------------------------------------------------
@@ -342,6 +359,9 @@ def _list_diff(o: Any, v: Any, codec: Codec) -> Op | None:
     return ("s", vl)
 
 
+_ABSENT = object()
+
+
 def diff(old: Mapping[str, Any], new: Mapping[str, Any], codec: Codec) -> dict[str, Op]:
     """The ops that turn ``old`` into ``new``."""
     ops: dict[str, Op] = {}
@@ -356,8 +376,14 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any], codec: Codec) -> dict[s
             continue
         to, tv = type(o), type(v)
         if to is dict and tv is dict and _pageable(v) and _pageable(o):
-            changed = {k: x for k, x in v.items() if k not in o or not same(o[k], x, codec)}
-            deleted = [k for k in o if k not in v]
+            # An unchanged value is most often the very object stored before (the
+            # caller's dict keeps its values between steps): no call for it.
+            changed = {
+                k: x
+                for k, x in v.items()
+                if (y := o.get(k, _ABSENT)) is not x and (y is _ABSENT or not same(y, x, codec))
+            }
+            deleted = o.keys() - v.keys() if len(o) > len(v) - len(changed) else ()
             if not changed and not deleted:
                 continue
             if len(changed) + len(deleted) > len(v) // 2 + 1:
