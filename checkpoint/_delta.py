@@ -348,13 +348,14 @@ def _list_diff(o: Any, v: Any, codec: Codec) -> Op | None:
         n = len(o._tail)
         tail = v._tail
         if len(tail) >= n and all(
-            same(x, y, codec) for x, y in zip(o._tail, tail[:n], strict=True)
+            x is y or same(x, y, codec) for x, y in zip(o._tail, tail[:n], strict=True)
         ):
             return ("a", tail[n:]) if len(tail) > n else None
         return ("s", v.to_list())
     ol, vl = plain(o), plain(v)
     n = len(ol)
-    if len(vl) >= n and all(same(x, y, codec) for x, y in zip(ol, vl[:n], strict=True)):
+    # (an unchanged item is most often the very object stored before: no call for it)
+    if len(vl) >= n and all(x is y or same(x, y, codec) for x, y in zip(ol, vl[:n], strict=True)):
         return ("a", vl[n:]) if len(vl) > n else None
     return ("s", vl)
 
