@@ -15,7 +15,7 @@ from typing import Any
 from onceonly.checkpoint import RowKeys
 from onceonly.checkpoint.errors import CorruptRecord
 
-from ._integrity import ACTION_EVENT, effect_parts
+from ._integrity import ACTION_EVENT, effect_parts, row_and_last_sql, split_row
 from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
 from ._transitions import TransitionMixin
 from .audit import AuditReport, export_witness, verify_store
@@ -49,19 +49,13 @@ class QueryMixin(TransitionMixin):
         Raises:
             UnknownEffect: No such entry.
         """
-        row = self._get_row(key_id)
+        row, last = self._row_and_last(key_id)
         record = _flagged(effect_record(row), self._keys, row)
         if record.integrity != "ok":
             return record
-
-        def audited(cur: Any) -> bool:
-            try:
-                self._check_row(cur, row)
-            except CorruptRecord:
-                return False
-            return True
-
-        if not self.store.read(audited):
+        try:
+            self._check_row(None, row, last)
+        except CorruptRecord:
             return dataclasses.replace(record, integrity="diverged")
         return record
 
@@ -75,6 +69,25 @@ class QueryMixin(TransitionMixin):
         if row is None:
             raise UnknownEffect(key_id)
         return row
+
+    def _row_and_last(self, key_id: str) -> tuple[Row, Sequence[Any] | None]:
+        """The entry's row and its newest audit event (None: none), read in one
+        statement: of one moment, so a transition committed meanwhile never reads as a
+        row that differs from its audit trail.
+
+        Raises:
+            UnknownEffect: No such entry.
+        """
+
+        def q(cur: Any) -> tuple[Row, Sequence[Any] | None] | None:
+            cur.execute(row_and_last_sql(f"r.key_id = {self._q}", lock=False), (key_id,))
+            found = cur.fetchone()
+            return None if found is None else split_row(found)
+
+        got = self.store.read(q)
+        if got is None:
+            raise UnknownEffect(key_id)
+        return got
 
     def payload(self, key_id: str) -> dict[str, Any]:
         """The decrypted arguments (canonical form), result and error of an entry.

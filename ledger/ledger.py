@@ -396,8 +396,8 @@ class Ledger(ReconcileMixin, QueryMixin):
             InvalidTransition: The entry has no definite outcome yet.
             UnknownEffect: No such entry.
         """
-        row = self._get_row(key_id)
-        self.store.read(lambda cur: self._check_row(cur, row))
+        row, last = self._row_and_last(key_id)  # one moment: a transition meanwhile is no tamper
+        self._check_row(None, row, last)
         if row["status"] not in TERMINAL:
             raise InvalidTransition(key_id, row["status"], "replay an unfinished effect")
         return self._replay(row)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import inspect
@@ -17,6 +18,7 @@ from onceonly.ledger import (
     EffectStatus,
     Ledger,
     Replay,
+    RetentionPolicy,
     UnknownEffect,
 )
 from tests.dbutil import execute, fetch
@@ -237,3 +239,81 @@ def test_a_recorded_version_other_than_this_codes_is_refused(
     assert ledgers.store().list_runs() == []
     assert ledger_version(store) == version + delta
     assert fetch(store.engine, "SELECT count(*) FROM oo_effects") == [(1,)]
+
+
+# -- reads of one moment -------------------------------------------------------------------
+
+
+def _after_first_read(led: Ledger, monkeypatch: pytest.MonkeyPatch, act: Any) -> None:
+    """Run ``act`` (another process's write, committed) right after ``led``'s next store
+    read returns, once: whatever a lookup reads in a later transaction sees it."""
+    read = led.store.read
+    done: list[bool] = []
+
+    def racing(fn: Any) -> Any:
+        out = read(fn)
+        if not done:
+            done.append(True)
+            act()
+        return out
+
+    monkeypatch.setattr(led.store, "read", racing)
+
+
+def test_get_reads_a_row_and_its_trail_of_one_moment(
+    ledger: Ledger, ledgers: Ledgers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry another worker records an outcome for while it is looked up reads as it
+    was or as it is, never as a row that differs from its audit trail ("diverged")."""
+    claim = claimed(ledger.claim(ident(0), {"n": 0}))
+    reader = ledgers.fresh()
+    _after_first_read(reader, monkeypatch, lambda: ledger.commit(claim, "zero"))
+    rec = reader.get(claim.key_id)
+    assert rec.integrity == "ok"
+    assert rec.status in (EffectStatus.CLAIMED, EffectStatus.COMMITTED)
+    again = ledgers.fresh().get(claim.key_id)
+    assert (again.status, again.integrity) == (EffectStatus.COMMITTED, "ok")
+
+
+def test_replay_during_a_correction_is_either_result_never_tampering(
+    ledger: Ledger, ledgers: Ledgers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator correcting a finished entry's result while another process replays
+    it: the replay gives the old result or the new one, not a CorruptRecord."""
+    claim = claimed(ledger.claim(ident(0), {"n": 0}))
+    ledger.mark_unknown(claim)
+    ledger.resolve(claim.key_id, happened=True, result="r1", evidence="portal", actor="ops")
+    reader = ledgers.fresh()
+    _after_first_read(
+        reader,
+        monkeypatch,
+        lambda: ledger.correct(claim.key_id, result="r2", evidence="invoice", actor="ops"),
+    )
+    assert reader.replay(claim.key_id).result in ("r1", "r2")
+    assert ledgers.fresh().replay(claim.key_id).result == "r2"
+
+
+def test_replay_during_retention_is_the_outcome_or_unknown_never_tampering(
+    ledger: Ledger, ledgers: Ledgers, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention removing a finished entry (its run gone) while another process replays
+    it: the replay gives the recorded outcome or UnknownEffect, not a CorruptRecord."""
+    claim = claimed(ledger.claim(ident(run=None, explicit="inv-9", effect="charge@1"), {"n": 9}))
+    ledger.commit(claim, "charged")
+    clock.advance(3600)
+    reader = ledgers.fresh()
+    removed: list[int] = []
+    _after_first_read(
+        reader,
+        monkeypatch,
+        lambda: removed.append(ledger.apply_retention(RetentionPolicy(older_than_s=60))),
+    )
+    try:
+        out = reader.replay(claim.key_id)
+    except UnknownEffect:
+        pass
+    else:
+        assert out.result == "charged"
+    assert removed == [1]
+    with pytest.raises(UnknownEffect):
+        ledgers.fresh().replay(claim.key_id)
