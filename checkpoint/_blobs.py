@@ -12,6 +12,8 @@ from ._retry import retried
 from ._runs import _Runs
 from .errors import CorruptRecord
 
+BLOB_MISSING = "a blob the checkpoint refers to is missing"
+
 
 class _Blobs(_Runs):
     """Reading and verifying blobs; collecting those no run refers to."""
@@ -33,7 +35,7 @@ class _Blobs(_Runs):
         missing = wanted - values.keys()
         if missing:
             raise CorruptRecord(
-                "a blob the checkpoint refers to is missing",
+                BLOB_MISSING,
                 run_id=run_id,
                 seq=seq,
                 blob=sorted(missing)[0].hex(),

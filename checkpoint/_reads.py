@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import select
 
 from . import _delta, _schema
+from ._blobs import BLOB_MISSING
 from ._connections import _RawTxn
 from ._engine import translate
 from ._retry import retried
@@ -249,6 +250,10 @@ class _Reads(_Writer):
             seq=int(row.seq),
         )
 
+    def _run_exists(self, cur: Any, run_id: str) -> bool:
+        cur.execute(self._sql.run_head, (run_id,))
+        return cur.fetchone() is not None
+
     def _chunk_fetcher(self, run_id: str) -> _delta.ChunkFetcher:
         def fetch(hexes: Sequence[str]) -> dict[str, list[Any]]:
             if self._closed:
@@ -260,7 +265,20 @@ class _Reads(_Writer):
 
             def read() -> dict[bytes, Any]:
                 with translate("read list chunks"), _RawTxn(self, write=False) as cur:
-                    return self._read_blobs(cur, run_id, None, wanted)[0]
+                    try:
+                        return self._read_blobs(cur, run_id, None, wanted)[0]
+                    except CorruptRecord as exc:
+                        if exc.detail != BLOB_MISSING or self._run_exists(cur, run_id):
+                            raise
+                        # Not damage: the run went (retention, delete_run, a saver's
+                        # prune) after the list was loaded, and its chunks with it.
+                        gone = RunNotFound(run_id)
+                        gone.add_note(
+                            "it was deleted after this list was loaded with lazy=True, "
+                            "and the chunks not read yet went with it; read a lazily "
+                            "loaded list while its run exists, or load with lazy=False"
+                        )
+                        raise gone from None
 
             values = self.retry.call("read list chunks", read, idempotent=True, store=self)
             return {h.hex(): v for h, v in values.items()}

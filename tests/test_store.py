@@ -1066,3 +1066,30 @@ def test_another_stores_call_inside_a_read_retries_on_its_own(
 
     assert store.read(fn) == 1
     assert calls == ["fn", "materialise", "materialise", "write", "write"]
+
+
+@pytest.mark.parametrize("gone", ["run", "blob"])
+def test_a_lazy_list_read_after_its_run_was_deleted_says_so(
+    store: Store, open_store: Callable[..., Store], gone: str
+) -> None:
+    """A list loaded with ``lazy=True`` whose run another process removed (retention;
+    its blobs collected) before the chunks were read: ``RunNotFound`` saying why, not a
+    corruption alarm. A chunk missing while its run exists is still ``CorruptRecord``."""
+    from onceonly.checkpoint import CorruptRecord, RetentionPolicy
+    from tests.dbutil import execute
+
+    rid = new_run(store)
+    store.save(rid, {"log": [f"m{i}" for i in range(200)]}, step="s")  # sealed chunks
+    store.update_run(rid, status=RunStatus.COMPLETED)
+    lazy = store.load(rid, lazy=True).state["log"]
+    other = open_store()
+    if gone == "run":
+        report = other.apply_retention(RetentionPolicy(older_than_s=0), now=time.time() + 60)
+        assert (report.runs_deleted, report.blobs_collected > 0) == (1, True)
+        with pytest.raises(RunNotFound, match=rid) as caught:
+            lazy[0]
+        assert "lazy=True" in " ".join(caught.value.__notes__)
+    else:
+        assert execute(other.engine, "DELETE FROM oo_blobs") > 0
+        with pytest.raises(CorruptRecord, match="missing"):
+            lazy[0]
