@@ -18,6 +18,7 @@ keyframe seals full chunks once and refers to old ones by hash.
 
 from __future__ import annotations
 
+import operator
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -347,17 +348,23 @@ def _list_diff(o: Any, v: Any, codec: Codec) -> Op | None:
     if type(o) is ChunkedList and type(v) is ChunkedList and o._chunks == v._chunks:
         n = len(o._tail)
         tail = v._tail
-        if len(tail) >= n and all(
-            x is y or same(x, y, codec) for x, y in zip(o._tail, tail[:n], strict=True)
-        ):
+        if len(tail) >= n and _same_prefix(o._tail, tail, codec):
             return ("a", tail[n:]) if len(tail) > n else None
         return ("s", v.to_list())
     ol, vl = plain(o), plain(v)
     n = len(ol)
-    # (an unchanged item is most often the very object stored before: no call for it)
-    if len(vl) >= n and all(x is y or same(x, y, codec) for x, y in zip(ol, vl[:n], strict=True)):
+    if len(vl) >= n and _same_prefix(ol, vl, codec):
         return ("a", vl[n:]) if len(vl) > n else None
     return ("s", vl)
+
+
+def _same_prefix(old: Sequence[Any], new: Sequence[Any], codec: Codec) -> bool:
+    """Whether ``new`` starts with the items of ``old`` (``len(new) >= len(old)``). An
+    unchanged item is most often the very object stored before: the identities are
+    compared in C first, item by item only if one differs."""
+    if all(map(operator.is_, old, new)):
+        return True
+    return all(x is y or same(x, y, codec) for x, y in zip(old, new, strict=False))
 
 
 _ABSENT = object()
@@ -376,7 +383,7 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any], codec: Codec) -> dict[s
             # The caller handed back our own object; state is always compared by value.
             continue
         to, tv = type(o), type(v)
-        if to is dict and tv is dict and _pageable(v) and _pageable(o):
+        if to is dict and tv is dict and _pageable(v):
             # An unchanged value is most often the very object stored before (the
             # caller's dict keeps its values between steps): no call for it.
             changed = {
@@ -384,7 +391,14 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any], codec: Codec) -> dict[s
                 for k, x in v.items()
                 if (y := o.get(k, _ABSENT)) is not x and (y is _ABSENT or not same(y, x, codec))
             }
-            deleted = o.keys() - v.keys() if len(o) > len(v) - len(changed) else ()
+            # The old keys are the new ones (pageable) but for those deleted: only these
+            # are looked at, and only when some may be (the old dict is larger than the
+            # keys it shares with the new one).
+            shared = len(v) - sum(1 for k in changed if k not in o)
+            deleted = o.keys() - v.keys() if len(o) > shared else ()
+            if deleted and not _pageable(dict.fromkeys(deleted)):
+                ops[ch] = ("s", v)  # the old dict was not pageable: not a merge
+                continue
             if not changed and not deleted:
                 continue
             if len(changed) + len(deleted) > len(v) // 2 + 1:

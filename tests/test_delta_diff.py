@@ -39,6 +39,16 @@ VALUES = st.recursive(
 )
 
 
+def _stored_and_applied(old: Any, ops: dict[str, Any]) -> Any:
+    """``old`` with ``ops`` applied as a load does: encoded as a delta body, decoded,
+    resolved and applied to a copy."""
+    enc = _delta.encode_delta(CODEC, ops)
+    blobs = {h: CODEC.decode(raw) for h, raw in enc.blobs.items()}
+    state = {"c": copy.deepcopy(old)}
+    _delta.apply(state, _delta.resolve_delta(CODEC.decode(enc.raw), blobs), where="test")
+    return state["c"]
+
+
 def _reference_pageable(v: Any) -> bool:
     return type(v) is dict and all(type(k) is str and k[:1] != "\x00" for k in v)
 
@@ -51,30 +61,64 @@ def test_pageable_is_its_definition(value: dict[Any, int]) -> None:
 
 @PROPS
 @given(
-    st.dictionaries(KEYS, VALUES, max_size=8),
+    st.dictionaries(KEYS | st.integers(-2, 2), VALUES, max_size=8),
     st.dictionaries(KEYS, VALUES, max_size=8),
     st.lists(st.booleans(), max_size=8),
 )
 @example({"a": 1, "b": 2, "c": 3, "d": 4}, {"e": 5}, [True, True, True])  # one out, one in
 @example({"a": True, "b": -0.0, "c": "x"}, {"a": 1, "b": 0.0}, [True, True, True])
+@example({"a": 1, "b": 2, "c": 3, "d": 4, 1: "x", "z": "y"}, {}, [True] * 4)  # old not pageable
 def test_a_dict_channel_diff_applied_gives_the_new_state(
-    old: dict[str, Any], replace: dict[str, Any], keep: list[bool]
+    old: dict[Any, Any], replace: dict[str, Any], keep: list[bool]
 ) -> None:
     """The new state shares some of the old values by identity (as a caller's dict does
     between steps), replaces some by equal-but-not-identical or different values (``1``
     for ``True``, ``0.0`` for ``-0.0``: stored differently), adds and drops keys."""
-    new: dict[str, Any] = {}
+    new: dict[Any, Any] = {}
     for i, (k, v) in enumerate(old.items()):
         if i < len(keep):
             new[k] = v if keep[i] else copy.deepcopy(v)
     new.update(replace)
     ops = _delta.diff({"c": old}, {"c": new}, CODEC)
-    state = {"c": copy.deepcopy(old)}
-    _delta.apply(state, ops, where="test")
-    assert strict_equal(state["c"], new)
+    assert strict_equal(_stored_and_applied(old, ops), new)
     if not ops:
         assert all(_delta.same(old.get(k), v, CODEC) for k, v in new.items())
         assert old.keys() == new.keys()
+
+
+@PROPS
+@given(
+    st.lists(VALUES, max_size=8),
+    st.lists(st.sampled_from(["same", "copy", "replace"]), max_size=8),
+    st.lists(VALUES, max_size=3),
+)
+@example([True, 1, 0.0, "a"], ["replace", "replace", "replace", "same"], [])
+@example(["a", "b"], ["same", "same"], ["c"])
+def test_a_list_channel_diff_applied_gives_the_new_state(
+    old: list[Any], how: list[str], more: list[Any]
+) -> None:
+    """A new list that keeps the old items by identity, as equal copies or replaced
+    (``1`` for ``True``: stored differently), possibly shorter, then appends."""
+    new = []
+    for i, x in enumerate(old[: len(how)]):
+        new.append(x if how[i] == "same" else copy.deepcopy(x) if how[i] == "copy" else _other(x))
+    new += more
+    ops = _delta.diff({"c": old}, {"c": new}, CODEC)
+    assert strict_equal(_stored_and_applied(old, ops), new)
+    kept = len(how) >= len(old) and all(h != "replace" for h in how[: len(old)])
+    if kept:  # an unchanged prefix is an append (or nothing), never the whole list again
+        assert (ops["c"][0] == "a") if len(new) > len(old) else not ops
+
+
+def _other(x: Any) -> Any:
+    """A value stored differently from ``x``, equal to it by ``==`` where one exists."""
+    if type(x) is bool:
+        return int(x)
+    if type(x) is int:
+        return float(x)
+    if type(x) is float and x == 0:
+        return -x
+    return [x]
 
 
 @PROPS
