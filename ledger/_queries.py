@@ -59,17 +59,6 @@ class QueryMixin(TransitionMixin):
             return dataclasses.replace(record, integrity="diverged")
         return record
 
-    def _get_row(self, key_id: str) -> Row:
-        def q(cur: Any) -> Row | None:
-            cur.execute(f"{SELECT} WHERE key_id = {self._q}", (key_id,))
-            found = cur.fetchone()
-            return None if found is None else effect_row(found)
-
-        row = self.store.read(q)
-        if row is None:
-            raise UnknownEffect(key_id)
-        return row
-
     def _row_and_last(self, key_id: str) -> tuple[Row, Sequence[Any] | None]:
         """The entry's row and its newest audit event (None: none), read in one
         statement: of one moment, so a transition committed meanwhile never reads as a
@@ -96,7 +85,7 @@ class QueryMixin(TransitionMixin):
             PayloadErased: The subject's key was erased.
             CorruptRecord: A ciphertext fails authentication.
         """
-        row = self._get_row(key_id)
+        row, _ = self._row_and_last(key_id)
         try:
             args = None
             if row["args_ct"] is not None:

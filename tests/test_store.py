@@ -1001,6 +1001,19 @@ def test_a_load_inside_a_read_sees_the_reads_snapshot(
     assert (after.info.seq, after.state["n"]) == (1, 2)
 
 
+def _fails_once(fn: Callable[..., Any], name: str, calls: list[str]) -> Callable[..., Any]:
+    """``fn``, logging ``name`` in ``calls`` on every call; the first raises a transient
+    ``DatabaseUnavailable`` (a lost connection) instead."""
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        if calls.count(name) == 1:
+            raise DatabaseUnavailable("connection lost (test)", transient=True)
+        return fn(*args, **kwargs)
+
+    return flaky
+
+
 def test_a_failure_inside_a_nested_read_retries_the_outermost_read(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1009,16 +1022,10 @@ def test_a_failure_inside_a_nested_read_retries_the_outermost_read(
     transaction is the one that failed)."""
     run_id = new_run(store)
     store.save(run_id, {"n": 1}, step="a")
-    materialise = store._materialise
     calls: list[str] = []
-
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        calls.append("materialise")
-        if calls.count("materialise") == 1:
-            raise DatabaseUnavailable("connection lost (test)", transient=True)
-        return materialise(*args, **kwargs)
-
-    monkeypatch.setattr(store, "_materialise", flaky)
+    monkeypatch.setattr(
+        store, "_materialise", _fails_once(store._materialise, "materialise", calls)
+    )
     store._heads.clear()  # the load reads the database
 
     def fn(cur: Any) -> int:
@@ -1038,24 +1045,11 @@ def test_another_stores_call_inside_a_read_retries_on_its_own(
     run_id = new_run(store)
     store.save(run_id, {"n": 1}, step="a")
     other = open_store()
-    materialise = other._materialise
-    transact = other._transact
     calls: list[str] = []
-
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        calls.append("materialise")
-        if calls.count("materialise") == 1:
-            raise DatabaseUnavailable("connection lost (test)", transient=True)
-        return materialise(*args, **kwargs)
-
-    def flaky_write(*args: Any, **kwargs: Any) -> Any:
-        calls.append("write")
-        if calls.count("write") == 1:
-            raise DatabaseUnavailable("connection lost (test)", transient=True)
-        return transact(*args, **kwargs)
-
-    monkeypatch.setattr(other, "_materialise", flaky)
-    monkeypatch.setattr(store, "_transact", flaky_write)
+    monkeypatch.setattr(
+        other, "_materialise", _fails_once(other._materialise, "materialise", calls)
+    )
+    monkeypatch.setattr(store, "_transact", _fails_once(store._transact, "write", calls))
     other._heads.clear()
 
     def fn(cur: Any) -> int:
