@@ -24,7 +24,13 @@ from sqlalchemy import create_engine, text
 
 from onceonly.adapters._langgraph_values import SerdeValue, register
 from onceonly.adapters.langgraph_saver import OnceOnlySaver, copy_threads
-from onceonly.checkpoint import ConfigurationError, CorruptRecord, KeyframePolicy, Store
+from onceonly.checkpoint import (
+    ConcurrentWrite,
+    ConfigurationError,
+    CorruptRecord,
+    KeyframePolicy,
+    Store,
+)
 from tests.conftest import _fresh_pg_database
 from tests.langgraph_saver_graph import START_INPUT, build, config, summary
 from tests.ledger_support import K1, keyring
@@ -690,6 +696,38 @@ def test_prune_keeps_a_checkpoint_put_while_it_was_pruning(
         listed = list(pruner.list(cfg))  # every row left names values that are there
         assert listed[0].checkpoint["channel_values"]["answer"] == "raced"
         # The attempt that found the namespace changed left no store run behind.
+        runs = _sql(db_url, "SELECT run_id FROM oo_runs")
+        assert sorted(r[0] for r in runs) == sorted(
+            r[0] for r in _sql(db_url, "SELECT run_id FROM oo_lg_threads")
+        )
+
+
+def test_prune_raced_on_every_attempt_gives_up_and_loses_nothing(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another saver puts into the thread between the read and the write of every
+    attempt: ``prune`` raises ``ConcurrentWrite`` saying the thread kept changing, and
+    every checkpoint is still there, the puts included, with no store run left over."""
+    pruner = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    other = OnceOnlySaver.from_url(db_url, keyring=keyring())
+    with pruner, other:
+        cfg = _thread_with_checkpoints(pruner, "busy")
+        before = len(list(pruner.list(cfg)))
+        create_run = pruner.store.create_run
+        raced: list[Any] = []
+
+        def racing_create_run(*args: Any, **kwargs: Any) -> Any:
+            raced.append(build(other).update_state(cfg, {"answer": f"raced {len(raced)}"}))
+            return create_run(*args, **kwargs)
+
+        monkeypatch.setattr(pruner.store, "create_run", racing_create_run)
+        with pytest.raises(ConcurrentWrite) as caught:
+            pruner.prune(["busy"], strategy="keep_latest")
+        monkeypatch.undo()
+        assert "busy" in " ".join(caught.value.__notes__)
+        listed = list(pruner.list(cfg))
+        assert len(listed) == before + len(raced)
+        assert listed[0].checkpoint["channel_values"]["answer"] == f"raced {len(raced) - 1}"
         runs = _sql(db_url, "SELECT run_id FROM oo_runs")
         assert sorted(r[0] for r in runs) == sorted(
             r[0] for r in _sql(db_url, "SELECT run_id FROM oo_lg_threads")

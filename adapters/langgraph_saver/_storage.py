@@ -999,8 +999,14 @@ class Storage:
             try:
                 self._rewrite_once(thread_id, ns, keep)
                 return
-            except ConcurrentWrite:
+            except ConcurrentWrite as exc:
                 if attempt == _ATTEMPTS - 1:
+                    exc.add_note(
+                        f"LangGraph thread {thread_id!r} (namespace {ns!r}) changed under "
+                        f"each of {_ATTEMPTS} attempts to rewrite it: another saver is "
+                        f"putting into it. Nothing of it was removed; run this again when "
+                        f"the thread is idle."
+                    )
                     raise
 
     def _rewrite_once(self, thread_id: str, ns: str, keep: Any) -> None:
