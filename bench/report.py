@@ -114,6 +114,19 @@ def per_s(x: float) -> str:
     return f"{x:,.0f}/s"
 
 
+def _fsync(ms: float | None) -> str:
+    if ms is None:
+        return "not measured"
+    return (
+        f"{ms:.3f} ms (a durable commit waits at least this long: W1's cold figures and "
+        f"W1-async's gain over sync depend on it)"
+    )
+
+
+def _fsync_note(ms: float | None) -> str:
+    return "" if ms is None else f", fsync {ms:.3f} ms"
+
+
 def _loadavg(xs: Sequence[float] | None) -> str:
     return "/".join(f"{x:.1f}" for x in xs) if xs else "?"
 
@@ -1037,7 +1050,8 @@ def render(results: dict[str, Any], docs: Path) -> Path:
                 f"> {name.upper()} was not measured in this run: its figures are from the run "
                 f"of {str(when.get('started_utc'))[:10]} (git {when.get('git_head')}, "
                 f"{when.get('reps')} repetitions, load average at start "
-                f"{_loadavg(when.get('loadavg_start'))}), kept by `python -m bench --merge`."
+                f"{_loadavg(when.get('loadavg_start'))}{_fsync_note(when.get('fsync_ms'))}), "
+                "kept by `python -m bench --merge`."
             ),
             "",
         ]
@@ -1070,6 +1084,10 @@ def render(results: dict[str, Any], docs: Path) -> Path:
                 ["OS", meta["platform"]],
                 ["Python", meta["python"]],
                 ["SQLite", meta["sqlite"]],
+                [
+                    "fsync (4 KiB write + fdatasync in /tmp, median)",
+                    _fsync(meta.get("fsync_ms")),
+                ],
                 [
                     "load average (1/5/15 min)",
                     (

@@ -193,6 +193,29 @@ def machine() -> dict[str, Any]:
     }
 
 
+def fsync_latency_ms(directory: Path, rounds: int = 100) -> float | None:
+    """The median time of ``fdatasync`` after a 4 KiB write, in ``directory`` (where the
+    databases go; None: could not be measured): what a durable commit waits for at
+    least. W1's cold figures and W1-async's gain over sync depend on it (where it is
+    fast, both are CPU-bound)."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="onceonly-fsync-", dir=directory)
+    except OSError:
+        return None
+    try:
+        times = []
+        for i in range(rounds):
+            os.pwrite(fd, os.urandom(4096), (i % 16) * 4096)
+            t0 = time.perf_counter()
+            os.fdatasync(fd)
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        return round(times[len(times) // 2], 4)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def source_digest(root: Path = ROOT, package: str = "checkpoint") -> str:
     """A digest of ``<package>/*.py`` (``checkpoint`` or ``ledger``): ties the figures to
     the code measured (the working tree may hold uncommitted changes)."""
@@ -539,7 +562,15 @@ def merge_earlier(results: dict[str, Any], earlier: dict[str, Any]) -> None:
         results[name] = earlier[name]
         kept[name] = old_meta.get("earlier", {}).get(name) or {
             key: old_meta.get(key)
-            for key in ("started_utc", "reps", "samples", "quick", "git_head", "loadavg_start")
+            for key in (
+                "started_utc",
+                "reps",
+                "samples",
+                "quick",
+                "git_head",
+                "loadavg_start",
+                "fsync_ms",
+            )
         }
     results["meta"]["workloads"] = [w for w in ("w1", "w2", "w3", "w4", "w2lg") if w in results]
 
@@ -601,6 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="onceonly-bench-", dir="/tmp"))
     src = snapshot_sources(tmp)
+    meta["fsync_ms"] = fsync_latency_ms(tmp)
     meta["checkpoint_src_sha256"] = source_digest(src)
     meta["ledger_src_sha256"] = source_digest(src, "ledger")
     lazy = probe_lazy(src)
