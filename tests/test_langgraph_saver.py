@@ -800,3 +800,114 @@ def test_delete_thread_waits_for_a_put_in_flight_and_deletes_it_too(pg_db_url: s
         assert errors == []
         assert _sql(db_url, "SELECT checkpoint_id FROM oo_lg_checkpoints") == []
         assert _sql(db_url, "SELECT run_id FROM oo_runs WHERE run_id = :r", r=run_id) == []
+
+
+# -- one saver, many threads: sync calls run on the caller's thread, one at a time -------
+
+
+def test_more_threads_than_the_pool_holds_share_one_saver(db_url: str) -> None:
+    """Sync calls run on the callers' threads (the store pins a connection to each up to
+    its pool's capacity); 24 threads, more than the pool holds (5 + 10 overflow), each
+    run a conversation to its interrupt and resume it at once, while an event loop
+    drives two more through the async methods. Nobody waits for a connection, every
+    history is whole, and the calls' order within each thread holds."""
+    import threading
+
+    threads = [f"many-{i}" for i in range(24)]
+    barrier = threading.Barrier(len(threads) + 1)
+    errors: list[BaseException] = []
+    outs: dict[str, Any] = {}
+
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        graph = build(saver)
+
+        def converse(thread: str) -> None:
+            try:
+                barrier.wait(60)
+                graph.invoke(START_INPUT, config(thread))
+                outs[thread] = graph.invoke(Command(resume=thread), config(thread))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        async def converse_async(thread: str) -> None:
+            await graph.ainvoke(START_INPUT, config(thread))
+            outs[thread] = await graph.ainvoke(Command(resume=thread), config(thread))
+
+        async def both() -> None:
+            await asyncio.gather(converse_async("async-a"), converse_async("async-b"))
+
+        workers = [threading.Thread(target=converse, args=(t,)) for t in threads]
+        for w in workers:
+            w.start()
+        barrier.wait(60)
+        asyncio.run(both())
+        for w in workers:
+            w.join(300)
+        assert not any(w.is_alive() for w in workers)
+        assert errors == []
+        for thread in [*threads, "async-a", "async-b"]:
+            assert outs[thread]["trail"] == ["draft", f"review:{thread}", "publish"]
+            history = list(graph.get_state_history(config(thread)))
+            assert [h.metadata["step"] for h in history if h.metadata] == [3, 2, 1, 0, -1]
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_close_waits_for_the_call_under_way_then_refuses_calls(db_url: str, owned: bool) -> None:
+    """``close()`` while a put is under way on another thread returns after it (the put
+    is stored); afterwards every call, sync or async, is refused with a clear error. A
+    saver on a store it was given leaves that store open."""
+    import threading
+
+    from langgraph.checkpoint.base import copy_checkpoint, empty_checkpoint
+
+    store = None if owned else Store.open(db_url, integrity=keyring().row_keys())
+    saver = (
+        OnceOnlySaver.from_url(db_url, keyring=keyring())
+        if owned
+        else OnceOnlySaver(store, keyring=keyring())  # type: ignore[arg-type]
+    )
+    build(saver).invoke(START_INPUT, config("closing"))
+    tup = saver.get_tuple(config("closing"))
+    assert tup is not None
+    later = copy_checkpoint(tup.checkpoint)
+    later["id"] = empty_checkpoint()["id"]
+    inside, release = threading.Event(), threading.Event()
+    real_put = saver._storage.put
+
+    def slow_put(*args: Any) -> Any:
+        inside.set()
+        assert release.wait(60)
+        return real_put(*args)
+
+    saver._storage.put = slow_put  # type: ignore[method-assign,assignment]
+    stored: list[Any] = []
+    runner = threading.Thread(
+        target=lambda: stored.append(saver.put(tup.config, later, tup.metadata, {}))
+    )
+    runner.start()
+    assert inside.wait(60)
+    closer = threading.Thread(target=saver.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # waiting for the put under way
+    release.set()
+    closer.join(60)
+    runner.join(60)
+    assert not closer.is_alive()
+    assert not runner.is_alive()
+    assert stored
+    assert stored[0]["configurable"]["checkpoint_id"] == later["id"]
+    with pytest.raises(ConfigurationError, match="saver is closed"):
+        saver.get_tuple(config("closing"))
+    with pytest.raises(ConfigurationError, match="saver is closed"):
+        saver.put(tup.config, later, tup.metadata, {})
+    with pytest.raises(ConfigurationError, match="saver is closed"):
+        asyncio.run(saver.aget_tuple(config("closing")))
+    saver.close()  # a second close does nothing
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as again:
+        latest = again.get_tuple(config("closing"))
+        assert latest is not None
+        assert latest.checkpoint["id"] == later["id"]
+    if store is not None:
+        assert store.list_runs(flow="langgraph")  # still open: the saver did not own it
+        store.close()
