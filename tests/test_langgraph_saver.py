@@ -806,11 +806,12 @@ def test_delete_thread_waits_for_a_put_in_flight_and_deletes_it_too(pg_db_url: s
 
 
 def test_more_threads_than_the_pool_holds_share_one_saver(db_url: str) -> None:
-    """Sync calls run on the callers' threads (the store pins a connection to each up to
-    its pool's capacity); 24 threads, more than the pool holds (5 + 10 overflow), each
-    run a conversation to its interrupt and resume it at once, while an event loop
-    drives two more through the async methods. Nobody waits for a connection, every
-    history is whole, and the calls' order within each thread holds."""
+    """24 threads, more than the store's pool holds (5 + 10 overflow), each run a
+    conversation to its interrupt and resume it at once, while an event loop drives two
+    more through the async methods. On SQLite the sync calls run on those threads (the
+    store pins a connection to each up to its pool's capacity, lends one per transaction
+    past it); on PostgreSQL on the saver's worker. No call fails (a thread left waiting
+    for a connection would time out), and every history is whole, in order."""
     import threading
 
     threads = [f"many-{i}" for i in range(24)]

@@ -42,6 +42,9 @@ T = TypeVar("T")
 _LIST_BATCH = 64  # checkpoints of one list() whose values are built in one forward walk
 
 
+_CLOSED = "the saver is closed; open a new one"
+
+
 class OnceOnlySaver(BaseCheckpointSaver[str]):
     """LangGraph's ``BaseCheckpointSaver`` on onceonly's checkpoint core (SQLite or
     PostgreSQL).
@@ -285,9 +288,9 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
     # On SQLite a sync call runs on the caller's thread, under the saver's lock: handing
     # it to a thread of the saver's own cost a fresh process's ``get_state`` a thread
     # start and 2-5 ms (the same work ran slower on the woken thread), and a SQLite
-    # connection per calling thread costs nothing (the store pins one to each thread up
-    # to its pool's capacity, returns those of exited threads, and lends any thread past
-    # that one per transaction). On PostgreSQL every call runs on the saver's worker
+    # connection per calling thread measured no slower per step (the store pins one to
+    # each thread up to its pool's capacity, returns those of exited threads, and lends
+    # any thread past that one per transaction). On PostgreSQL every call runs on the saver's worker
     # thread, so one server connection serves them all: LangGraph calls from a new pool
     # of threads on every invoke, and a connection per thread warmed up its own server
     # session and prepared statements (a 50-turn agent's checkpoints took ~10 % longer).
@@ -297,7 +300,7 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
         if self._inline or threading.get_ident() == self._worker_ident:
             with self._lock:
                 if self._closed:
-                    raise ConfigurationError("the saver is closed; open a new one")
+                    raise ConfigurationError(_CLOSED)
                 return fn(*args)
         return self._submit(fn, *args).result()
 
@@ -307,11 +310,11 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """``fn(*args)`` queued for the worker thread (run there by :meth:`_call`)."""
         if self._closed:
-            raise ConfigurationError("the saver is closed; open a new one")
+            raise ConfigurationError(_CLOSED)
         try:
             return self._worker.submit(self._call, fn, *args)
         except RuntimeError:  # shut down meanwhile: closed
-            raise ConfigurationError("the saver is closed; open a new one") from None
+            raise ConfigurationError(_CLOSED) from None
 
     def put(
         self,
