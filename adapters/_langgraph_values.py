@@ -15,9 +15,11 @@ Imports nothing from LangGraph; the serde is passed in.
 from __future__ import annotations
 
 import math
+import operator
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import compress
 from typing import Any, Protocol
 
 from onceonly.checkpoint import Codec, CodecError, _delta
@@ -86,6 +88,8 @@ def pack(v: Any, serde: Serde, memo: PackMemo | None = None) -> Any:
     if t is list:
         if _STR_ONLY.issuperset(map(type, v)):
             return v.copy()  # strings only (checked in C): nothing to pack
+        if memo is not None:
+            return memo.pack_list(v, serde)
         return [x if type(x) is str else pack(x, serde, memo) for x in v]
     if t is dict:
         if _STR_ONLY.issuperset(map(type, v)):
@@ -157,6 +161,31 @@ class PackMemo:
         with self._lock:
             self._entries.clear()
             self._bytes = 0
+
+    def pack_list(self, items: list[Any], serde: Serde) -> list[Any]:
+        """:func:`pack` of each item of a list: the memo's entries for all of them are
+        looked up (and marked as used) at once, so that a list of messages carried from
+        step to step costs one lookup pass and one check per message."""
+        ids = list(map(id, items))
+        with self._lock:
+            if serde is not self._serde:
+                self._entries.clear()
+                self._bytes = 0
+                self._serde = serde
+            entries = list(map(self._entries.get, ids))
+            # most recently used: every item found (in C; an entry is a non-empty tuple)
+            deque(map(self._entries.move_to_end, compress(ids, entries)), maxlen=0)
+        out: list[Any] = []
+        add = out.append
+        hits = 0
+        for x, entry in zip(items, entries, strict=True):
+            if entry is not None and entry[0] is x and _unchanged(x, entry[1]):
+                hits += 1
+                add(entry[2])
+            else:
+                add(x if type(x) is str else pack(x, serde, self))
+        self.hits += hits
+        return out
 
     def pack(self, v: Any, serde: Serde) -> SerdeValue:
         """``v``'s encoding by ``serde``: the memoised one while ``v`` is unchanged."""
@@ -348,7 +377,13 @@ class _Ordered(_Strict, dict):  # type: ignore[type-arg]  # noqa: PLW1641
     __slots__ = ()
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is dict and dict.__eq__(self, other) and list(self) == list(other)
+        # Equal dicts hold the same keys; in the same order if key for key the same
+        # objects (most often: the same interned names), else compared by value.
+        return (
+            type(other) is dict
+            and dict.__eq__(self, other)
+            and (all(map(operator.is_, self, other)) or list(self) == list(other))
+        )
 
 
 def unpack(v: Any, serde: Serde) -> Any:

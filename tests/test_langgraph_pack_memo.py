@@ -67,6 +67,10 @@ EDITS: dict[str, Callable[[Any], None]] = {
     "usage counted": lambda m: m.usage_metadata.update(output_tokens=5),
     "str to bytes": lambda m: m.response_metadata.update(model=b"m"),
     "field deleted": lambda m: m.response_metadata.clear(),
+    # the model's own fields in another order: Pydantic dumps them in __dict__'s order
+    "fields reordered": lambda m: object.__setattr__(
+        m, "__dict__", dict(reversed(vars(m).items()))
+    ),
 }
 
 
@@ -87,6 +91,62 @@ def test_every_in_place_edit_is_encoded_again(edit: str) -> None:
     # the snapshot does not know: then it is encoded every time)
     assert pack(msg, serde, memo) == again
     assert memo.hits == (1 if edit == "int to IntEnum" else 2)
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_an_edit_to_a_message_in_a_list_is_encoded_again(edit: str) -> None:
+    """A list is packed in one pass over the memo (a message channel): the edited
+    message is encoded again, its neighbours are reused, and the other items of the
+    list (strings, numbers, dicts holding messages) are packed as they are alone."""
+    serde = StrictSerializer().allowing(Colour)
+    memo = PackMemo()
+    tool = ToolMessage("r", tool_call_id="c1", id="t1")
+    msgs: list[Any] = [HumanMessage("go", id="h"), _ai(), "plain", 7, {"k": tool}, [tool]]
+    first = pack(msgs, serde, memo)
+    assert first == pack(msgs, serde)
+    assert pack(msgs, serde, memo) == first
+    # the tool message, held twice, is reused at its second place already; then all
+    assert memo.hits == 1 + 4
+    EDITS[edit](msgs[1])
+    again = pack(msgs, serde, memo)
+    assert again == pack(msgs, serde)  # what encoding it afresh gives
+    assert again[1] != first[1]
+    assert again[0] is first[0]
+    assert again[4]["k"] is first[4]["k"]
+    assert memo.hits == 5 + 3
+
+
+def test_equal_keys_of_other_objects_in_the_same_order_reuse_the_encoding() -> None:
+    """Key order is checked by identity first, then by value: a dict rebuilt with equal
+    keys (other string objects) in the same order is unchanged, in another order not."""
+    serde = StrictSerializer()
+    memo = PackMemo()
+    msg = _ai()
+    first = pack([msg], serde, memo)
+    rebuilt = {"".join(k): v for k, v in msg.response_metadata.items()}
+    assert all(a is not b for a, b in zip(rebuilt, msg.response_metadata, strict=True))
+    msg.response_metadata = rebuilt
+    assert pack([msg], serde, memo)[0] is first[0]
+    assert memo.hits == 1
+    msg.response_metadata = dict(reversed(rebuilt.items()))
+    again = pack([msg], serde, memo)
+    assert again[0] != first[0]
+    assert again == pack([msg], serde)
+    assert memo.hits == 1
+
+
+def test_a_list_marks_the_messages_it_reused_as_recently_used() -> None:
+    serde = StrictSerializer()
+    memo = PackMemo(size=3)
+    a, b, c, d = (HumanMessage(x, id=x) for x in "abcd")
+    pack([a, b, c], serde, memo)
+    pack([a, b], serde, memo)  # c is now the least recently used
+    pack([d], serde, memo)  # evicts c, not a
+    assert memo.hits == 2
+    pack([a, b], serde, memo)
+    assert memo.hits == 4
+    pack([c], serde, memo)
+    assert memo.hits == 4  # c was evicted: encoded again
 
 
 def test_a_memoised_list_is_what_encoding_it_afresh_gives() -> None:
