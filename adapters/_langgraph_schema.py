@@ -79,7 +79,7 @@ def _checkpoints_table(meta: MetaData, *, sealed: bool) -> Table:
     """One row per LangGraph checkpoint; (run_id, seq) is the store checkpoint holding its
     channel values. ``record`` is canonical codec JSON of the checkpoint without its
     channel values (id, ts, versions, versions seen, ...) and of its metadata (stored
-    zlib-compressed when that saves at least 10 %)."""
+    compressed as checkpoint bodies are: see ``_delta.pack``)."""
     return Table(
         "oo_lg_checkpoints",
         meta,

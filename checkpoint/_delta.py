@@ -39,7 +39,14 @@ _COMPRESS_MIN = 256
 
 _RAW = b"j"
 _ZLIB = b"z"  # written by releases before 0.2; still read
-_ZSTD = b"Z"
+_ZSTD = b"Z"  # a bare zstd frame: written by earlier releases; still read
+# A zstd frame after a blake3 digest of the frame's own bytes. The digests and seals above
+# this layer cover the decompressed bytes, and a frame can be edited without changing
+# what it decompresses to (a header bit the decoder ignores, padding in a bitstream):
+# about one bit flip in 3,000 in a frame goes unseen by them. The digest makes any edit
+# of the stored bytes a refusal.
+_ZSTD_SUMMED = b"C"
+_SUM = 16
 
 
 class _Codecs(threading.local):
@@ -60,7 +67,9 @@ def blob_hash(raw: bytes) -> bytes:
 
 
 def pack(raw: bytes) -> bytes:
-    """Stored form of canonical bytes: zstd-compressed when that saves at least 10 %.
+    """Stored form of canonical bytes: zstd-compressed when that saves at least 10 %,
+    the frame preceded by a digest of its own bytes (any edit of the stored bytes is
+    refused on read, even one the frame would decompress through unchanged).
 
     zstd rather than zlib: it decompresses four to five times faster (a fresh process's
     load of a large state is mostly decompression) and compresses these payloads as
@@ -68,8 +77,8 @@ def pack(raw: bytes) -> bytes:
     """
     if len(raw) >= _COMPRESS_MIN:
         z = _codecs.c.compress(raw)
-        if len(z) < len(raw) * 0.9:
-            return _ZSTD + z
+        if len(z) + _SUM < len(raw) * 0.9:
+            return _ZSTD_SUMMED + blake3.blake3(z).digest(length=_SUM) + z
     return _RAW + raw
 
 
@@ -77,26 +86,46 @@ def unpack(stored: bytes) -> bytes:
     """Canonical bytes from their stored form.
 
     Raises:
-        CorruptRecord: Unknown header or undecompressible data (caller adds location).
+        CorruptRecord: Unknown header, a frame that fails its digest, or undecompressible
+            data (caller adds location).
     """
     head, body = stored[:1], stored[1:]
     if head == _RAW:
         return bytes(body)
+    if head == _ZSTD_SUMMED:
+        frame = body[_SUM:]
+        if len(body) <= _SUM or blake3.blake3(frame).digest(length=_SUM) != body[:_SUM]:
+            raise CorruptRecord("compressed data is damaged (it does not match its checksum)")
+        return _unzstd(frame)
     if head == _ZSTD:
-        try:
-            # pack() writes the content size into every frame; one without is not ours
-            size = zstandard.frame_content_size(body)
-            if size < 0:
-                raise CorruptRecord("compressed data is damaged (no content size)")
-            return _codecs.d.decompress(body, max_output_size=size, allow_extra_data=False)
-        except zstandard.ZstdError as exc:
-            raise CorruptRecord(f"compressed data is damaged ({exc})") from exc
+        return _unzstd(body)
     if head == _ZLIB:
         try:
             return zlib.decompress(body)
         except zlib.error as exc:
             raise CorruptRecord(f"compressed data is damaged ({exc})") from exc
     raise CorruptRecord(f"unknown storage header {head!r}")
+
+
+# zstd's densest block (RLE: 4 bytes for up to 128 KiB) bounds what a frame can hold.
+_MAX_RATIO = 32768
+_BLOCK = 128 << 10
+
+
+def _unzstd(frame: bytes) -> bytes:
+    try:
+        # pack() writes the content size into every frame; one without is not ours
+        size = zstandard.frame_content_size(frame)
+        if size < 0:
+            raise CorruptRecord("compressed data is damaged (no content size)")
+        if size > len(frame) * _MAX_RATIO + _BLOCK:
+            # an edited size field: the output buffer is allocated for it up front
+            raise CorruptRecord(
+                f"compressed data is damaged (a {len(frame)}-byte frame says it holds {size} bytes)"
+            )
+        return _codecs.d.decompress(frame, max_output_size=size, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise CorruptRecord(f"compressed data is damaged ({exc})") from exc
 
 
 def row_digest(

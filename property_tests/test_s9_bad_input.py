@@ -108,9 +108,18 @@ def test_decoding_arbitrary_bytes_raises_only_typed_errors(data: bytes) -> None:
     # extended frames
     only_typed(lambda: unpack(b"z" + data))
     only_typed(lambda: unpack(b"Z" + data))
-    frame = pack(data * 8 + b"x" * 300)[1:]
+    only_typed(lambda: unpack(b"C" + data))
+    stored = pack(data * 8 + b"x" * 300)
+    assert stored[:1] == b"C"  # a zstd frame after its 16-byte digest
+    frame = stored[17:]
+    only_typed(lambda: unpack(stored[: len(data) % len(stored)]))
+    only_typed(lambda: unpack(stored + data[:3]))
     only_typed(lambda: unpack(b"Z" + frame[: len(data) % max(len(frame), 1)]))
     only_typed(lambda: unpack(b"Z" + frame + data[:3]))
+    # a bare frame whose content size was edited: refused before any buffer is allocated
+    only_typed(
+        lambda: unpack(b"Z" + frame[:5] + bytes([frame[5] ^ (1 << (len(data) % 8))]) + frame[6:])
+    )
 
 
 @given(value=VALUES, cuts=st.lists(st.tuples(st.integers(0, 10**6), st.binary(max_size=3))))
