@@ -49,6 +49,7 @@ class _Audit(_Retention):
                 "created_at, body, digest FROM oo_checkpoints"
             )
             seqs: dict[str, list[int]] = {}
+            needed: dict[str, dict[bytes, int]] = {}  # run -> blob -> a checkpoint naming it
             for run_id, seq, kind, kf, ver, step, src, at, body, digest in cur.fetchall():
                 checked += 1
                 seqs.setdefault(run_id, []).append(int(seq))
@@ -60,6 +61,30 @@ class _Audit(_Retention):
                 calc = _delta.row_digest(run_id, seq, kind, kf, ver, step, src, at, raw)
                 if calc != bytes(digest):
                     problems.append(f"run {run_id!r} checkpoint {seq}: row fails its digest")
+                    continue
+                try:
+                    decoded = self.codec.decode(raw)
+                except CorruptRecord as exc:
+                    problems.append(f"run {run_id!r} checkpoint {seq}: {exc.detail}")
+                    continue
+                if isinstance(decoded, dict):
+                    for h in _delta.blob_refs_of(decoded, chunks=True):
+                        needed.setdefault(run_id, {}).setdefault(h, int(seq))
+            # Every blob a run's checkpoints name must be referenced by that run: an
+            # unreferenced blob is deleted by the next collect_garbage.
+            cur.execute("SELECT owner, hash FROM oo_blob_refs")
+            refs: dict[str, set[bytes]] = {}
+            for owner, h in cur.fetchall():
+                refs.setdefault(str(owner), set()).add(bytes(h))
+            for run_id, blobs in needed.items():
+                have_refs = refs.get(run_id, set())
+                for h, seq in sorted(blobs.items(), key=lambda item: item[1]):
+                    if h not in have_refs:
+                        problems.append(
+                            f"run {run_id!r} checkpoint {seq}: blob {h.hex()} has no reference "
+                            f"from its run (a deleted or edited reference: the next garbage "
+                            f"collection would delete the blob)"
+                        )
             cur.execute(
                 "SELECT run_id, seq, kind, keyframe_seq, schema_version, step, source, "
                 "created_at, digest, seal FROM oo_checkpoints"

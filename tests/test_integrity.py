@@ -181,6 +181,36 @@ def test_a_deleted_blob_is_refused(store: Store, open_store: Callable[..., Store
     _assert_refused([store, open_store()], rid, [None, 0, 2], named_seqs={0, 1, 2, 3}, blob=h.hex())
 
 
+@pytest.mark.parametrize("edit", ["deleted", "owner edited", "hash edited"])
+def test_a_lost_blob_reference_is_found_before_garbage_collection_deletes_the_blob(
+    store: Store, open_store: Callable[..., Store], edit: str
+) -> None:
+    """A run's reference to a blob its checkpoints name is what keeps the blob from
+    garbage collection: ``verify_integrity`` reports a missing one while the blob is still
+    there (the control below shows the collection it would allow)."""
+    rid = _write_run(store)
+    h = _only_blob(store)
+    where = "owner = :r AND hash = :h"
+    sql = {
+        "deleted": f"DELETE FROM oo_blob_refs WHERE {where}",
+        "owner edited": f"UPDATE oo_blob_refs SET owner = 'run-x' WHERE {where}",
+        "hash edited": f"UPDATE oo_blob_refs SET hash = :other WHERE {where}",
+    }[edit]
+    assert execute(store.engine, sql, r=rid, h=h, other=bytes(32)) == 1
+    fresh = open_store()
+    _, problems = fresh.verify_integrity()
+    assert len(problems) == 1
+    assert rid in problems[0]
+    assert h.hex() in problems[0]
+    assert "no reference" in problems[0]
+    assert fresh.load(rid).state == _states()[-1]  # the blob itself is intact
+    # the control: what the report is for
+    if edit == "deleted":
+        assert fresh.collect_garbage() == 1
+        with pytest.raises(CorruptRecord):
+            open_store().load(rid)
+
+
 # -- checkpoint rows -----------------------------------------------------------------------
 
 
