@@ -35,11 +35,23 @@ class PrivacyMixin(LedgerState):
         return got
 
     def _load_key(self, cur: Any, subject: str) -> ChaCha20Poly1305 | None:
+        """The subject's data key; ``None`` if it was erased.
+
+        Raises:
+            CorruptRecord: The subject has no row: it is read only for effects that hold
+                payloads, which were sealed with its key, and erasure keeps the row.
+        """
         cur.execute(
             f"SELECT secret_id, wrapped FROM oo_data_keys WHERE subject = {self._q}", (subject,)
         )
         found = cur.fetchone()
-        if found is None or found[1] is None:
+        if found is None:
+            raise CorruptRecord(
+                f"data key of subject {subject!r} is missing (deleted or renamed: erasing a "
+                f"subject keeps its row); its payloads cannot be read",
+                hint=LEDGER_HINT,
+            )
+        if found[1] is None:
             return None
         return self._sealer.unwrap(subject, str(found[0]), bytes(found[1]))
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from onceonly.checkpoint import RowKeys
-from onceonly.checkpoint.errors import CorruptRecord
+from onceonly.checkpoint.errors import ConfigurationError, CorruptRecord
 
 from ._integrity import ACTION_EVENT, effect_parts, row_and_last_sql, split_row
 from ._rows import SELECT, TERMINAL, Row, effect_record, effect_row
@@ -265,7 +265,45 @@ class QueryMixin(TransitionMixin):
         """
         if witness is None and self.witness is not None:
             witness = self.witness.path  # the ledger's own (ONCEONLY_WITNESS)
-        return verify_store(self.store, witness=witness)
+        report = verify_store(self.store, witness=witness)
+        report.data_keys, problems = self._verify_data_keys()
+        report.problems.extend(problems)
+        return report
+
+    def _verify_data_keys(self) -> tuple[int, list[str]]:
+        """Every data key opens with the keyring, bound to its subject; every subject
+        whose effects hold payloads has one (erasure keeps the row, without its key)."""
+
+        def scan(cur: Any) -> tuple[list[Any], set[str]]:
+            cur.execute("SELECT subject, secret_id, wrapped FROM oo_data_keys")
+            rows = cur.fetchall()
+            cur.execute(
+                "SELECT DISTINCT subject FROM oo_effects WHERE args_ct IS NOT NULL "
+                "OR result_ct IS NOT NULL OR error_ct IS NOT NULL"
+            )
+            return rows, {str(r[0]) for r in cur.fetchall()}
+
+        rows, used = self.store.read(scan)
+        problems: list[str] = []
+        have: set[str] = set()
+        for subject, secret_id, wrapped in rows:
+            have.add(str(subject))
+            if wrapped is None:
+                continue  # erased
+            try:
+                self._sealer.unwrap(str(subject), str(secret_id), bytes(wrapped))
+            except (CorruptRecord, ConfigurationError) as exc:
+                why = getattr(exc, "detail", str(exc))
+                problems.append(
+                    f"data key of subject {subject!r}: {why} (edited, moved to another "
+                    f"subject, or wrapped by a secret no longer in the keyring)"
+                )
+        problems.extend(
+            f"data key of subject {subject!r} is missing (deleted or renamed: erasing a "
+            f"subject keeps its row): its effects' payloads cannot be read"
+            for subject in sorted(used - have)
+        )
+        return len(rows), problems
 
     def export_witness(self, path: str) -> dict[str, Any]:
         """Write every chain's head (and a digest over them) to an external witness file.

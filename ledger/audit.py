@@ -51,6 +51,7 @@ class AuditReport:
         events: Events checked.
         effects: Effect rows checked.
         blobs: Checkpoint blobs and rows checked.
+        data_keys: Data keys checked (each unwrapped with the keyring; erased ones counted).
         problems: One line per problem found; empty means the store verifies.
     """
 
@@ -58,6 +59,7 @@ class AuditReport:
     events: int = 0
     effects: int = 0
     blobs: int = 0
+    data_keys: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -73,6 +75,7 @@ class AuditReport:
                 "events": self.events,
                 "effects": self.effects,
                 "blobs": self.blobs,
+                "data_keys": self.data_keys,
                 "problems": self.problems,
             }
         )

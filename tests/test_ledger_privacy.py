@@ -354,3 +354,60 @@ def test_effects_in_flight_when_their_subject_is_erased_can_still_finish(
         with pytest.raises(PayloadErased):
             fresh.payload(c.key_id)
     assert fresh.verify().ok
+
+
+DATA_KEY_EDITS = {
+    "wrapped key flipped": (
+        "UPDATE oo_data_keys SET wrapped = :w WHERE subject = 'run-1'",
+        "does not open",
+    ),
+    "subject renamed": ("UPDATE oo_data_keys SET subject = 'run-9' WHERE subject = 'run-1'", None),
+    "secret id edited": (
+        "UPDATE oo_data_keys SET secret_id = 'k9' WHERE subject = 'run-1'",
+        "not in the keyring",
+    ),
+    "row deleted": ("DELETE FROM oo_data_keys WHERE subject = 'run-1'", "is missing"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(DATA_KEY_EDITS))
+def test_an_edited_data_key_is_found_by_verify_and_refused_not_read_as_erased(
+    ledger: Ledger, ledgers: Ledgers, store: Store, edit: str
+) -> None:
+    """A data key is what opens a subject's payloads: an edited, moved or deleted one is a
+    problem ``verify`` names, and reading a payload under it is a typed refusal, never
+    ``PayloadErased`` (an erasure keeps its row, without the key)."""
+    first = claimed(ledger.claim(ident(0), ARGS))
+    ledger.commit(first, RESULT)
+    other = claimed(ledger.claim(ident(0, run="run-2"), ARGS))
+    ledger.commit(other, RESULT)
+    assert ledger.verify().ok
+    assert ledger.verify().data_keys == 2
+    [(wrapped,)] = fetch(store.engine, "SELECT wrapped FROM oo_data_keys WHERE subject = 'run-1'")
+    flipped = bytearray(bytes(wrapped))
+    flipped[20] ^= 4
+    sql, needle = DATA_KEY_EDITS[edit]
+    assert execute(store.engine, sql, w=bytes(flipped)) == 1
+    fresh = ledgers.fresh()
+    report = fresh.verify()
+    assert not report.ok
+    assert all("data key of subject" in p for p in report.problems)
+    assert any("'run-1'" in p and (needle is None or needle in p) for p in report.problems)
+    # CorruptRecord; for a secret id the keyring does not hold, the ConfigurationError
+    # that names it (the keyring may have lost a retired secret)
+    with pytest.raises(OnceOnlyError) as refused:
+        fresh.payload(first.key_id)
+    assert not isinstance(refused.value, PayloadErased)
+    assert fresh.payload(other.key_id)["result"] == RESULT
+
+
+def test_an_erased_subject_verifies_and_reads_as_erased(ledger: Ledger, ledgers: Ledgers) -> None:
+    first = claimed(ledger.claim(ident(0), ARGS))
+    ledger.commit(first, RESULT)
+    assert ledger.erase("run-1") == 1
+    fresh = ledgers.fresh()
+    report = fresh.verify()
+    assert report.ok, report.problems
+    assert report.data_keys == 1
+    with pytest.raises(PayloadErased):
+        fresh.payload(first.key_id)

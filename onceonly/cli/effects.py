@@ -336,7 +336,7 @@ def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
             con.print(styled("note:", "yellow"), note)
         con.print(
             f"chains {report.chains}, events {report.events}, effects {report.effects}, "
-            f"blobs and checkpoints {report.blobs}"
+            f"blobs and checkpoints {report.blobs}, data keys {report.data_keys}"
         )
         for p in report.problems:
             con.print(styled("problem:", "red"), p)
