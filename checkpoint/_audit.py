@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from . import _delta
@@ -62,14 +63,23 @@ class _Audit(_Retention):
                 if calc != bytes(digest):
                     problems.append(f"run {run_id!r} checkpoint {seq}: row fails its digest")
                     continue
+                # The blob hashes a body names are plain JSON (a channel's values may hold
+                # types this process never registered: they are not decoded).
                 try:
-                    decoded = self.codec.decode(raw)
-                except CorruptRecord as exc:
-                    problems.append(f"run {run_id!r} checkpoint {seq}: {exc.detail}")
+                    decoded = json.loads(raw)
+                except ValueError:
+                    problems.append(f"run {run_id!r} checkpoint {seq}: body is not JSON")
                     continue
-                if isinstance(decoded, dict):
-                    for h in _delta.blob_refs_of(decoded, chunks=True):
-                        needed.setdefault(run_id, {}).setdefault(h, int(seq))
+                try:
+                    named = _delta.blob_refs_of(decoded, chunks=True)
+                except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+                    problems.append(
+                        f"run {run_id!r} checkpoint {seq}: body names its blobs in a form no "
+                        f"writer produces"
+                    )
+                    continue
+                for h in named:
+                    needed.setdefault(run_id, {}).setdefault(h, int(seq))
             # Every blob a run's checkpoints name must be referenced by that run: an
             # unreferenced blob is deleted by the next collect_garbage.
             cur.execute("SELECT owner, hash FROM oo_blob_refs")

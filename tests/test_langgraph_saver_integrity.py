@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import shlex
 import uuid
 from collections.abc import Iterator
@@ -538,3 +539,85 @@ def test_a_record_is_never_written_for_values_that_are_not_stored(
         tup = saver.get_tuple(_config())
         assert tup is not None
         assert tup.checkpoint["channel_values"]["n"] == 3
+
+
+# -- verify: every row of every thread ------------------------------------------------------
+
+_SAVER_COLUMNS = {
+    "oo_lg_threads": (("thread_id", "checkpoint_ns"), ("thread_id", "run_id", "seal")),
+    "oo_lg_checkpoints": (
+        ("thread_id", "checkpoint_ns", "checkpoint_id"),
+        ("thread_id", "checkpoint_id", "run_id", "record", "digest", "seal"),
+    ),
+    "oo_lg_writes": (
+        ("thread_id", "checkpoint_ns", "checkpoint_id", "task_id", "idx"),
+        ("thread_id", "checkpoint_id", "task_id", "channel", "value", "digest", "seal"),
+    ),
+}
+
+
+def _flip_one(value: Any, pos: int) -> Any:
+    if isinstance(value, str):
+        c = chr(ord(value[pos]) ^ 0x20) if value[pos].isalpha() else "~"
+        return value[:pos] + (c if c != value[pos] else "!") + value[pos + 1 :]
+    data = bytearray(bytes(value))
+    data[pos] ^= 0x10
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("table", "column"),
+    [(t, c) for t, (_, cols) in _SAVER_COLUMNS.items() for c in cols],
+    ids=str,
+)
+def test_verify_finds_a_flip_in_any_row_of_any_thread(
+    db_url: str, engine: Engine, table: str, column: str
+) -> None:
+    """A read meets the edited rows of the thread it reads; a row moved to another
+    thread or checkpoint (a key column edited) leaves its own thread, and a thread's
+    mapping is read at its next put only. ``verify`` checks every row, wherever it is."""
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        for i in (1, 2):
+            _put(saver, i=i)
+        _put(saver, thread="other")
+        checked, problems = saver.verify()
+        assert problems == []
+        assert checked == 2 + 3 + 3  # threads, checkpoints, writes
+    keys, _ = _SAVER_COLUMNS[table]
+    rows = fetch(engine, f"SELECT {', '.join(keys)}, {column} FROM {table}")
+    *key, value = rows[0]
+    where = " AND ".join(f"{k} = :k{i}" for i, k in enumerate(keys))
+    changed = _flip_one(value, len(value) // 2)
+    params = {f"k{i}": v for i, v in enumerate(key)}
+    assert execute(engine, f"UPDATE {table} SET {column} = :v WHERE {where}", v=changed, **params)
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as fresh:
+        checked, problems = fresh.verify()
+    assert checked == 8
+    assert len(problems) == 1, problems
+
+
+def test_audit_verify_checks_the_savers_rows(db_url: str, engine: Engine, ledgers: Any) -> None:
+    """``onceonly audit verify`` on a database holding the saver's tables checks them too:
+    a checkpoint row moved to another thread is a problem, exit status 1."""
+    from click.testing import CliRunner
+
+    from onceonly.cli import cli
+
+    ledgers.fresh().close()  # the ledger's schema beside the saver's
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        for i in (1, 2):
+            _put(saver, i=i)
+    env = {"ONCEONLY_DATABASE_URL": db_url, "ONCEONLY_SECRETS": f"k1:{K1.value.hex()}"}
+    clean = CliRunner().invoke(cli, ["audit", "verify", "--json"], env=env)
+    assert clean.exit_code == 0, clean.output
+    doc = json.loads(clean.output)
+    assert (doc["ok"], doc["langgraph_rows"]) == (True, 1 + 2 + 2)
+    assert execute(
+        engine,
+        "UPDATE oo_lg_checkpoints SET thread_id = 'elsewhere' WHERE checkpoint_id = :c",
+        c=_checkpoint(2, {})["id"],
+    )
+    moved = CliRunner().invoke(cli, ["audit", "verify"], env=env)
+    assert moved.exit_code == 1
+    assert "problem:" in moved.output
+    assert "'elsewhere'" in moved.output

@@ -84,6 +84,41 @@ class Storage:
         attaches its keyring's keys there."""
         return self.store.integrity
 
+    def verify_rows(self) -> tuple[int, list[str]]:
+        """:meth:`OnceOnlySaver.verify`: every thread, checkpoint and write row checked."""
+        problems: list[str] = []
+
+        def scan(cur: Any) -> int:
+            n = 0
+            cur.execute("SELECT thread_id, checkpoint_ns, run_id, seal FROM oo_lg_threads")
+            for found in cur.fetchall():
+                n += 1
+                try:
+                    self._mapped_run(found)
+                except CorruptRecord as exc:
+                    problems.append(exc.detail)
+            cur.execute(f"SELECT {_CK_COLS} FROM oo_lg_checkpoints")
+            for r in cur.fetchall():
+                n += 1
+                try:
+                    self._verify(_Row.of(r))
+                except CorruptRecord as exc:
+                    problems.append(exc.detail)
+            cur.execute(
+                f"SELECT thread_id, checkpoint_ns, checkpoint_id, {_WRITE_COLS} FROM oo_lg_writes"
+            )
+            for r in cur.fetchall():
+                n += 1
+                try:
+                    self._verified_write(str(r[0]), str(r[1]), str(r[2]), r[3:])
+                except CorruptRecord as exc:
+                    problems.append(exc.detail)
+            return n
+
+        with self._lock:
+            checked = self.store.read(scan)
+        return checked, problems
+
     def seal_unsealed(self, keys: RowKeys) -> int:
         """Seal the saver's unsealed rows and the store's (see
         :meth:`OnceOnlySaver.seal_unsealed`)."""

@@ -184,6 +184,18 @@ class OnceOnlySaver(BaseCheckpointSaver[str]):
             raise ConfigurationError(f"nothing to seal with: {_schema.UNKEYED_LIMITS}")
         return self._call(self._storage.seal_unsealed, keys)
 
+    def verify(self) -> tuple[int, list[str]]:
+        """Check every row of the saver's tables, in every thread: each thread, checkpoint
+        and pending-write row against its digest and (with keys) its seal, nothing of it
+        decoded. A read finds an edited row of the thread it reads; this finds one that was
+        moved to another thread or checkpoint (which a read of its own thread no longer
+        meets), an edited thread mapping before the next put meets it, and every other.
+
+        Returns:
+            (rows checked, one line per problem found).
+        """
+        return self._call(self._storage.verify_rows)
+
     def close(self) -> None:
         """Stop the saver's worker thread; close the store if this saver opened it
         (:meth:`from_url`)."""

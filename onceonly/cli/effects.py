@@ -326,9 +326,13 @@ def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
     with ledger_on(url) as ledger, progress("verifying the audit trail"):
         report = ledger.verify(witness=witness)
         note = ledger.store.integrity_note
+        saver_rows = _verify_saver_rows(ledger.store)
+        if saver_rows is not None:
+            report.problems.extend(saver_rows[1])
     if as_json:
         doc = json.loads(report.to_json())
         doc["note"] = note
+        doc["langgraph_rows"] = None if saver_rows is None else saver_rows[0]
         click.echo(json.dumps(doc))
     else:
         con = make_console()
@@ -337,6 +341,7 @@ def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
         con.print(
             f"chains {report.chains}, events {report.events}, effects {report.effects}, "
             f"blobs and checkpoints {report.blobs}, data keys {report.data_keys}"
+            + ("" if saver_rows is None else f", LangGraph saver rows {saver_rows[0]}")
         )
         for p in report.problems:
             con.print(styled("problem:", "red"), p)
@@ -347,6 +352,29 @@ def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
         )
     if not report.ok:
         sys.exit(1)
+
+
+def _verify_saver_rows(store: Any) -> tuple[int, list[str]] | None:
+    """The LangGraph saver's rows checked (``OnceOnlySaver.verify``), when the database
+    has its tables; ``None`` when it has none."""
+    from sqlalchemy import inspect  # noqa: PLC0415
+
+    if not inspect(store.engine).has_table("oo_lg_checkpoints"):
+        return None
+    try:
+        from onceonly.adapters.langgraph_saver import OnceOnlySaver  # noqa: PLC0415
+    except ImportError:
+        return 0, [
+            (
+                "the LangGraph saver's rows were not checked: langgraph is not installed "
+                "(pip install 'onceonly[langgraph]')"
+            )
+        ]
+    saver = OnceOnlySaver(store, create=False, unkeyed=store.integrity is None)
+    try:
+        return saver.verify()
+    finally:
+        saver.close()
 
 
 @audit.command("export")
