@@ -621,3 +621,56 @@ def test_audit_verify_checks_the_savers_rows(db_url: str, engine: Engine, ledger
     assert moved.exit_code == 1
     assert "problem:" in moved.output
     assert "'elsewhere'" in moved.output
+
+
+def test_audit_verify_on_a_database_of_the_saver_alone(db_url: str, engine: Engine) -> None:
+    """A database only ``OnceOnlySaver.from_url`` wrote to has no ledger: ``onceonly audit
+    verify`` checks its checkpoints, blobs and saver rows (keyed with the secrets, and
+    unkeyed with a note without them) instead of asking for ``onceonly migrate``."""
+    from click.testing import CliRunner
+
+    from onceonly.cli import cli
+
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        for i in (1, 2):
+            _put(saver, i=i)
+    env = {"ONCEONLY_DATABASE_URL": db_url, "ONCEONLY_SECRETS": f"k1:{K1.value.hex()}"}
+    clean = CliRunner().invoke(cli, ["audit", "verify", "--json"], env=env)
+    assert clean.exit_code == 0, clean.output
+    doc = json.loads(clean.output)
+    assert (doc["ok"], doc["ledger"], doc["langgraph_rows"]) == (True, False, 1 + 2 + 2)
+    assert doc["blobs"] >= 2
+    assert doc["effects"] == 0
+    assert doc["note"] is None
+    printed = CliRunner().invoke(cli, ["audit", "verify"], env=env)
+    assert printed.exit_code == 0, printed.output
+    assert "LangGraph saver alone" in printed.output
+    assert "OK" in printed.output
+    unkeyed = CliRunner().invoke(
+        cli, ["audit", "verify", "--json"], env={**env, "ONCEONLY_SECRETS": ""}
+    )
+    assert unkeyed.exit_code == 0, unkeyed.output
+    assert json.loads(unkeyed.output)["note"]
+    refused = CliRunner().invoke(cli, ["audit", "verify", "--witness", "w.json"], env=env)
+    assert refused.exit_code == 2
+    assert "holds no ledger" in refused.output
+    # A saver row moved, then a checkpoint body edited: the saver's check finds the
+    # first, the checkpoint core's the second.
+    assert execute(
+        engine,
+        "UPDATE oo_lg_checkpoints SET thread_id = 'elsewhere' WHERE checkpoint_id = :c",
+        c=_checkpoint(2, {})["id"],
+    )
+    moved = CliRunner().invoke(cli, ["audit", "verify"], env=env)
+    assert moved.exit_code == 1, moved.output
+    assert "'elsewhere'" in moved.output
+    (body,) = fetch(engine, "SELECT body FROM oo_checkpoints ORDER BY seq DESC LIMIT 1")[0]
+    changed = _flip_one(bytes(body), len(bytes(body)) // 2)
+    assert execute(
+        engine,
+        "UPDATE oo_checkpoints SET body = :b WHERE seq = (SELECT MAX(seq) FROM oo_checkpoints)",
+        b=changed,
+    )
+    doc = json.loads(CliRunner().invoke(cli, ["audit", "verify", "--json"], env=env).output)
+    assert doc["ok"] is False
+    assert len(doc["problems"]) == 2, doc["problems"]  # the moved row, the edited body

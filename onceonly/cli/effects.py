@@ -15,8 +15,10 @@ from ._common import (
     URL_HELP,
     emit_json,
     identity,
+    keyring,
     ledger_on,
     make_console,
+    open_store,
     operator,
     print_table,
     progress,
@@ -323,24 +325,45 @@ def audit() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
     """Check every chain, effect row, blob and checkpoint; exit 1 on any problem."""
-    with ledger_on(url) as ledger, progress("verifying the audit trail"):
-        report = ledger.verify(witness=witness)
-        note = ledger.store.integrity_note
-        saver_rows = _verify_saver_rows(ledger.store)
-        if saver_rows is not None:
-            report.problems.extend(saver_rows[1])
+    saver_rows: tuple[int, list[str]] | None
+    if _saver_only(url):
+        # A database of the LangGraph saver alone (``OnceOnlySaver.from_url``): no
+        # ledger to open, and nothing to migrate; its checkpoints and rows are checked.
+        if witness is not None:
+            raise click.UsageError(
+                "--witness: this database holds no ledger (only the LangGraph saver's "
+                "tables), so it has no audit chains to compare with a witness"
+            )
+        with open_store(url) as store, progress("verifying the LangGraph saver's rows"):
+            report, note, saver_rows = _verify_saver_database(store)
+        ledger_found = False
+    else:
+        with ledger_on(url) as ledger, progress("verifying the audit trail"):
+            report = ledger.verify(witness=witness)
+            note = ledger.store.integrity_note
+            saver_rows = _verify_saver_rows(ledger.store)
+            if saver_rows is not None:
+                report.problems.extend(saver_rows[1])
+        ledger_found = True
     if as_json:
         doc = json.loads(report.to_json())
         doc["note"] = note
         doc["langgraph_rows"] = None if saver_rows is None else saver_rows[0]
+        doc["ledger"] = ledger_found
         click.echo(json.dumps(doc))
     else:
         con = make_console()
         if note is not None:
             con.print(styled("note:", "yellow"), note)
+        if not ledger_found:
+            con.print("no ledger tables: a database of the LangGraph saver alone")
         con.print(
-            f"chains {report.chains}, events {report.events}, effects {report.effects}, "
-            f"blobs and checkpoints {report.blobs}, data keys {report.data_keys}"
+            (
+                f"chains {report.chains}, events {report.events}, effects {report.effects}, "
+                f"blobs and checkpoints {report.blobs}, data keys {report.data_keys}"
+                if ledger_found
+                else f"blobs and checkpoints {report.blobs}"
+            )
             + ("" if saver_rows is None else f", LangGraph saver rows {saver_rows[0]}")
         )
         for p in report.problems:
@@ -352,6 +375,44 @@ def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
         )
     if not report.ok:
         sys.exit(1)
+
+
+def _saver_only(url: str | None) -> bool:
+    """Whether the database holds the LangGraph saver's tables and no ledger's."""
+    from sqlalchemy import inspect  # noqa: PLC0415
+
+    with open_store(url) as store:
+        tables = inspect(store.engine)
+        return tables.has_table("oo_lg_checkpoints") and not tables.has_table("oo_effects")
+
+
+def _verify_saver_database(store: Any) -> tuple[Any, str | None, tuple[int, list[str]]]:
+    """A saver-only database checked: its checkpoints and blobs (``verify_integrity``),
+    then every saver row (``OnceOnlySaver.verify``), keyed from ``$ONCEONLY_SECRETS``
+    when it is set."""
+    from onceonly.ledger import AuditReport  # noqa: PLC0415
+
+    report = AuditReport()
+    try:
+        from onceonly.adapters.langgraph_saver import OnceOnlySaver  # noqa: PLC0415
+    except ImportError:
+        report.problems.append(
+            "the LangGraph saver's rows were not checked: langgraph is not installed "
+            "(pip install 'onceonly[langgraph]')"
+        )
+        return report, None, (0, [])
+    ring = keyring(required=False)
+    saver = OnceOnlySaver(store, create=False, keyring=ring, unkeyed=ring is None)
+    try:
+        note = saver.integrity_note
+        # The saver attached the keyring's row keys: the checkpoints are checked keyed.
+        report.blobs, problems = store.verify_integrity()
+        report.problems.extend(problems)
+        rows = saver.verify()
+    finally:
+        saver.close()
+    report.problems.extend(rows[1])
+    return report, note, rows
 
 
 def _verify_saver_rows(store: Any) -> tuple[int, list[str]] | None:
