@@ -22,8 +22,10 @@ class _Audit(_Retention):
     def verify_integrity(self) -> tuple[int, list[str]]:
         """Check every stored blob against its hash, every checkpoint row against its
         digest, and (with integrity keys) every run, checkpoint and wait against its
-        seal, and every run's history for checkpoints missing below its head or left
-        above it (a cut-back history), without loading any state. Without keys,
+        seal; every run's history for checkpoints missing below its head or left above
+        it (a cut-back history), and checkpoints whose run row is gone; every blob a
+        checkpoint names or a run references for being stored, and referenced by the
+        run that names it; all without loading any state. Without keys,
         :attr:`integrity_note` says what cannot be detected.
 
         Returns:
@@ -36,8 +38,10 @@ class _Audit(_Retention):
         def scan(cur: Any) -> None:
             nonlocal checked
             cur.execute("SELECT hash, data FROM oo_blobs")
+            stored: set[bytes] = set()
             for h, data in cur.fetchall():
                 checked += 1
+                stored.add(bytes(h))
                 try:
                     raw = _delta.unpack(bytes(data))
                 except CorruptRecord as exc:
@@ -86,6 +90,22 @@ class _Audit(_Retention):
             refs: dict[str, set[bytes]] = {}
             for owner, h in cur.fetchall():
                 refs.setdefault(str(owner), set()).add(bytes(h))
+            # Every blob named or referenced must be stored: a deleted one fails every
+            # load of the checkpoints naming it.
+            missing: set[bytes] = set()
+            for run_id, blobs in sorted(needed.items()):
+                for h, seq in sorted(blobs.items(), key=lambda item: item[1]):
+                    if h not in stored and h not in missing:
+                        missing.add(h)
+                        problems.append(
+                            f"run {run_id!r} checkpoint {seq}: blob {h.hex()} is missing (deleted)"
+                        )
+            for owner, hashes in sorted(refs.items()):
+                for h in sorted(hashes - stored - missing):
+                    missing.add(h)
+                    problems.append(
+                        f"blob {h.hex()}, referenced by run {owner!r}: missing (deleted)"
+                    )
             for run_id, blobs in needed.items():
                 have_refs = refs.get(run_id, set())
                 for h, seq in sorted(blobs.items(), key=lambda item: item[1]):
@@ -111,10 +131,12 @@ class _Audit(_Retention):
                 except CorruptRecord as exc:
                     problems.append(f"run {run_id!r} checkpoint {seq}: {exc.detail}")
             cur.execute(self._sql.runs_rows)
+            with_rows: set[str] = set()
             for found in cur.fetchall():
                 checked += 1
                 values = dict(zip(_RUN_COLS, found[: len(_RUN_COLS)], strict=True))
                 run_id, head = values["run_id"], values["head_seq"]
+                with_rows.add(str(run_id))
                 try:
                     self._checked_run(found)
                 except CorruptRecord as exc:
@@ -132,6 +154,20 @@ class _Audit(_Retention):
                     )
                 if int(head) not in have:
                     problems.append(f"run {run_id!r}: its head checkpoint {head} is missing")
+                # A run's checkpoints are 0..head, every one: retention and rewrites remove
+                # whole runs, never part of a history. One missing below the head fails
+                # every load of it and of the deltas built on it.
+                gaps = sorted(set(range(int(head))) - set(have))
+                if gaps:
+                    problems.append(
+                        f"run {run_id!r}: checkpoints {_spans(gaps)} below its head {head} "
+                        f"are missing (deleted)"
+                    )
+            problems.extend(
+                f"run {run_id!r}: checkpoints {_spans(sorted(seqs[run_id]))} but no run row "
+                f"(deleted)"
+                for run_id in sorted(set(seqs) - with_rows)
+            )
             waits = Waits(self)
             cur.execute(f"SELECT {WAIT_READ} FROM oo_waits")
             for row in cur.fetchall():
@@ -214,3 +250,16 @@ class _Audit(_Retention):
     def integrity_note(self) -> str | None:
         """What this store cannot detect (None when it seals its rows)."""
         return None if self.integrity is not None else UNKEYED_LIMITS
+
+
+def _spans(seqs: list[int]) -> str:
+    """Sorted sequence numbers, runs of consecutive ones as ``a-b``: ``1-3, 7``."""
+    out: list[str] = []
+    start = prev = seqs[0]
+    for x in seqs[1:]:
+        if x != prev + 1:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = x
+        prev = x
+    out.append(str(start) if start == prev else f"{start}-{prev}")
+    return ", ".join(out)

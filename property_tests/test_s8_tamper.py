@@ -13,7 +13,9 @@ on a fresh copy of that store:
   deep: 2 000;
 * **structured tampers**: every tamper of ``tests/test_ledger_audit.py`` (edit, delete,
   swap, duplicate, forge, move between runs), plus truncations, reordered and moved
-  checkpoints, and the audit head rolled back (checked against the witness).
+  checkpoints, and the audit head rolled back (checked against the witness);
+* **one row deleted**, from every table but the leases: CI, a seeded sample of 2 rows per
+  table; deep: every row.
 
 After each tamper a new worker (a fresh Store + Ledger, i.e. another process) drives a
 guarded effect for every populated entry, with a counting provider, and loads every
@@ -379,6 +381,56 @@ def _structured(e: Engine, k: Populated) -> dict[str, Callable[[], object]]:
 def test_structured_tampers_are_refused_and_found(bench: Bench, report: SuiteReport) -> None:
     cases = _structured(bench.engine, bench.keys)
     outcomes = [bench.judge(name, apply) for name, apply in cases.items()]
+    bad = _tally(report, outcomes)
+    assert not bad, "\n".join(bad)
+
+
+DELETIONS = scaled(ci=2, deep=10_000)  # rows deleted per table (a seeded sample; deep: all)
+NOT_DELETED = {"oo_leases": "not sealed, as documented: a lease only delays a worker"}
+EMPTY = {"oo_waits", "oo_run_links"}  # the S8 store holds none (waits: tests/test_waits*)
+
+
+def _deletions(bench: Bench) -> list[tuple[str, str, dict[str, Any]]]:
+    """Single rows to delete: (table, WHERE clause, its parameters), a seeded sample of
+    each table's rows by primary key (every row in the deep tier)."""
+    from sqlalchemy import inspect
+
+    bench.restore()
+    rng = random.Random(seeds(1, base=20261207)[0])
+    out = []
+    for table in bench.tables:
+        if table in NOT_DELETED:
+            continue
+        pk = inspect(bench.engine).get_pk_constraint(table)["constrained_columns"]
+        assert pk, f"{table} has no primary key to delete one row by"
+        rows = fetch(bench.engine, f"SELECT {', '.join(pk)} FROM {table}")
+        for row in rng.sample(rows, min(DELETIONS, len(rows))):
+            where = " AND ".join(f"{k} = :k{i}" for i, k in enumerate(pk))
+            out.append((table, where, {f"k{i}": v for i, v in enumerate(row)}))
+    return out
+
+
+@pytest.mark.slow
+def test_any_single_row_deleted_is_found(bench: Bench, report: SuiteReport) -> None:
+    """Deleting one row of any table (but the leases) is a tamper like an edit: refused
+    where it is read, found by ``verify``. A checkpoint deleted below its run's head, or
+    a run row with its checkpoints left, was once reported by nothing but the load that
+    failed on it."""
+    cases = _deletions(bench)
+    tables = {t for t, _, _ in cases}
+    assert tables == set(bench.tables) - set(NOT_DELETED) - EMPTY, "a table with no row"
+
+    def deleting(table: str, where: str, params: dict[str, Any]) -> Callable[[], None]:
+        def delete() -> None:
+            assert execute(bench.engine, f"DELETE FROM {table} WHERE {where}", **params) == 1
+
+        return delete
+
+    outcomes = [
+        bench.judge(f"delete {table} row {tuple(params.values())!r}", deleting(*case))
+        for case in cases
+        for table, _, params in [case]
+    ]
     bad = _tally(report, outcomes)
     assert not bad, "\n".join(bad)
 
