@@ -169,6 +169,20 @@ class _Runs(_Connections):
             raise RunNotFound(run_id)
         return run
 
+    @retried("read a run's link", idempotent=True)
+    def key_run_of(self, run_id: str) -> str | None:
+        """The run whose effect keys ``run_id`` shares, as its link row says (a fork's
+        origin; ``create_run(key_run=...)``), or None when it has no link row."""
+        self._check_open()
+        sql = f"SELECT key_run FROM oo_run_links WHERE run_id = {self._sql.q}"
+
+        def probe(cur: Any) -> str | None:
+            cur.execute(sql, (run_id,))
+            found = cur.fetchone()
+            return None if found is None else str(found[0])
+
+        return self.read(probe)
+
     @retried("read a run's forks", idempotent=True)
     def shares_keys(self, run_id: str) -> bool:
         """Whether another run uses ``run_id``'s effect keys (a fork of it, or of one of

@@ -40,6 +40,7 @@ from onceonly.checkpoint import (
     CodecError,
     ConcurrentWrite,
     ConfigurationError,
+    CorruptRecord,
     Durability,
     Handoff,
     LeaseHeld,
@@ -422,6 +423,8 @@ class Runtime:
         visits = dict(meta.get("visits") or {})
         visit = int(visits.get(name, 0))
         key_run = str(meta.get("key_run") or run.run_id)
+        if key_run != run.run_id:
+            self._check_link(run.run_id, key_run)
         step_id = f"{name}#{visit}"
         pos = _Position(run.run_id, key_run, name, visit, flow.tenant)
         limit = flow.timeouts.get(name)
@@ -702,6 +705,28 @@ class Runtime:
             with contextlib.suppress(WaitRefused):
                 self.waits.signal(run.run_id, name, {"resolved": key_id}, actor=self.owner)
         return self.waits.wake_if_settled(run.run_id, name)
+
+    def _check_link(self, run_id: str, key_run: str) -> None:
+        """A fork acts only while its link row names the run whose effect keys its
+        sealed checkpoint says it shares: retention keeps that run, and the effects the
+        fork replays, only through the link. Without it (deleted or edited) retention
+        could remove the effects and the fork would make them again.
+
+        Raises:
+            CorruptRecord: The link row is missing or names another run (nothing was
+                acted on; the worker skips the run).
+        """
+        linked = self.store.key_run_of(run_id)
+        if linked != key_run:
+            found = "missing" if linked is None else f"names run {linked!r}"
+            raise CorruptRecord(
+                f"its checkpoint says it shares the effect keys of run {key_run!r} (a "
+                f"fork), but its link row to that run is {found}: retention keeps the "
+                f"effects a fork replays only through that row. Nothing was acted on; "
+                f"put the row (run_id, key_run) = ({run_id!r}, {key_run!r}) back in "
+                f"oo_run_links",
+                run_id=run_id,
+            )
 
     def _check_key_space(
         self,

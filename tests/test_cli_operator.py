@@ -28,6 +28,7 @@ from onceonly.adapters import StepDiverged, guard, step
 from onceonly.checkpoint import (
     CodecError,
     ConfigurationError,
+    CorruptRecord,
     RunNotFound,
     RunStatus,
     Store,
@@ -52,6 +53,7 @@ from onceonly.ledger import (
 )
 from onceonly.registry import WorkerRegistry
 from onceonly.runtime import Runtime
+from tests.dbutil import execute
 from tests.ledger_support import K1, K2, Clock, Ledgers
 from tests.operator_flows import FLOWS, deliveries
 
@@ -760,6 +762,39 @@ def test_gc_keeps_what_a_live_fork_replays_from(env: Env, ledgers: Ledgers) -> N
     # Once both are finished and old, one gc pass removes the fork and then its origin.
     assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 2
     assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 0
+
+
+@pytest.mark.parametrize("edit", ["deleted", "edited"])
+def test_a_fork_whose_link_was_removed_acts_on_nothing(
+    env: Env, ledgers: Ledgers, edit: str
+) -> None:
+    """A fork's link row is what keeps its origin, and the effects the fork replays, from
+    gc. With the row deleted or edited, gc removes the origin and its ledger entries; the
+    fork then sent the origin's email again. It now refuses to act: its sealed checkpoint
+    names the run whose keys it shares, and the link must agree."""
+    rid = env.publish("r1")
+    env.approve(rid)
+    env.drive(rid)
+    env.cli("signal", rid, "ack")
+    assert env.drive(rid) is RunStatus.COMPLETED
+    history = env.json("runs", "show", rid)["history"]
+    (seq,) = [h["seq"] for h in history if h["step"] == "draft"]
+    env.cli("runs", "fork", rid, "--seq", str(seq), "--reason", "again", "--new-id", "f1")
+    engine = ledgers.fresh(owner="w0").store.engine
+    sql = {
+        "deleted": "DELETE FROM oo_run_links WHERE run_id = 'f1'",
+        "edited": "UPDATE oo_run_links SET key_run = 'elsewhere' WHERE run_id = 'f1'",
+    }[edit]
+    assert execute(engine, sql) == 1
+    time.sleep(0.05)
+    assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 1  # the origin went
+    env.approve("f1")
+    fresh = ledgers.fresh(owner="w2", clock=time.time)
+    worker = Runtime(fresh.store, fresh, FLOWS, owner="w2")
+    with pytest.raises(CorruptRecord, match="link row to that run is") as exc:
+        worker.drive("f1")
+    assert exc.value.run_id == "f1"
+    assert len(env.sent()) == 1  # the origin's email only
 
 
 def test_gc_human_output(env: Env) -> None:
