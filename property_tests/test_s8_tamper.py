@@ -14,8 +14,8 @@ on a fresh copy of that store:
 * **structured tampers**: every tamper of ``tests/test_ledger_audit.py`` (edit, delete,
   swap, duplicate, forge, move between runs), plus truncations, reordered and moved
   checkpoints, and the audit head rolled back (checked against the witness);
-* **one row deleted**, from every table but the leases: CI, a seeded sample of 2 rows per
-  table; deep: every row.
+* **one row deleted**, from every table the store fills: CI, a seeded sample of 2 rows
+  per table; deep: every row.
 
 After each tamper a new worker (a fresh Store + Ledger, i.e. another process) drives a
 guarded effect for every populated entry, with a counting provider, and loads every
@@ -386,7 +386,6 @@ def test_structured_tampers_are_refused_and_found(bench: Bench, report: SuiteRep
 
 
 DELETIONS = scaled(ci=2, deep=10_000)  # rows deleted per table (a seeded sample; deep: all)
-NOT_DELETED = {"oo_leases": "not sealed, as documented: a lease only delays a worker"}
 EMPTY = {"oo_waits", "oo_run_links"}  # the S8 store holds none (waits: tests/test_waits*)
 
 
@@ -399,8 +398,6 @@ def _deletions(bench: Bench) -> list[tuple[str, str, dict[str, Any]]]:
     rng = random.Random(seeds(1, base=20261207)[0])
     out = []
     for table in bench.tables:
-        if table in NOT_DELETED:
-            continue
         pk = inspect(bench.engine).get_pk_constraint(table)["constrained_columns"]
         assert pk, f"{table} has no primary key to delete one row by"
         rows = fetch(bench.engine, f"SELECT {', '.join(pk)} FROM {table}")
@@ -412,13 +409,13 @@ def _deletions(bench: Bench) -> list[tuple[str, str, dict[str, Any]]]:
 
 @pytest.mark.slow
 def test_any_single_row_deleted_is_found(bench: Bench, report: SuiteReport) -> None:
-    """Deleting one row of any table (but the leases) is a tamper like an edit: refused
+    """Deleting one row of any table is a tamper like an edit: refused
     where it is read, found by ``verify``. A checkpoint deleted below its run's head, or
     a run row with its checkpoints left, was once reported by nothing but the load that
     failed on it."""
     cases = _deletions(bench)
     tables = {t for t, _, _ in cases}
-    assert tables == set(bench.tables) - set(NOT_DELETED) - EMPTY, "a table with no row"
+    assert tables == set(bench.tables) - EMPTY, "a table with no row"
 
     def deleting(table: str, where: str, params: dict[str, Any]) -> Callable[[], None]:
         def delete() -> None:
