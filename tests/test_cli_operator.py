@@ -739,7 +739,8 @@ def test_gc_removes_only_old_finished_runs(env: Env, tmp_path: Path) -> None:
     assert env.drive(waiting) is RunStatus.WAITING
 
 
-def test_gc_keeps_what_a_live_fork_replays_from(env: Env, ledgers: Ledgers) -> None:
+def _finished_and_forked(env: Env) -> None:
+    """Run r1 to its end (one email sent), then fork it as f1 from its draft step."""
     rid = env.publish("r1")
     env.approve(rid)
     env.drive(rid)
@@ -748,6 +749,10 @@ def test_gc_keeps_what_a_live_fork_replays_from(env: Env, ledgers: Ledgers) -> N
     history = env.json("runs", "show", rid)["history"]
     (seq,) = [h["seq"] for h in history if h["step"] == "draft"]
     env.cli("runs", "fork", rid, "--seq", str(seq), "--reason", "again", "--new-id", "f1")
+
+
+def test_gc_keeps_what_a_live_fork_replays_from(env: Env, ledgers: Ledgers) -> None:
+    _finished_and_forked(env)
     time.sleep(0.05)
     # The origin is finished and old enough, but the live fork replays from its entries.
     assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 0
@@ -772,14 +777,7 @@ def test_a_fork_whose_link_was_removed_acts_on_nothing(
     gc. With the row deleted or edited, gc removes the origin and its ledger entries; the
     fork then sent the origin's email again. It now refuses to act: its sealed checkpoint
     names the run whose keys it shares, and the link must agree."""
-    rid = env.publish("r1")
-    env.approve(rid)
-    env.drive(rid)
-    env.cli("signal", rid, "ack")
-    assert env.drive(rid) is RunStatus.COMPLETED
-    history = env.json("runs", "show", rid)["history"]
-    (seq,) = [h["seq"] for h in history if h["step"] == "draft"]
-    env.cli("runs", "fork", rid, "--seq", str(seq), "--reason", "again", "--new-id", "f1")
+    _finished_and_forked(env)
     engine = ledgers.fresh(owner="w0").store.engine
     sql = {
         "deleted": "DELETE FROM oo_run_links WHERE run_id = 'f1'",

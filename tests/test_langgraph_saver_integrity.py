@@ -596,6 +596,22 @@ def test_verify_finds_a_flip_in_any_row_of_any_thread(
     assert len(problems) == 1, problems
 
 
+def _two_puts_verified(db_url: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """Two checkpoints put by a sealed saver, then ``onceonly audit verify --json``,
+    which must pass: its environment and its document."""
+    from click.testing import CliRunner
+
+    from onceonly.cli import cli
+
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        for i in (1, 2):
+            _put(saver, i=i)
+    env = {"ONCEONLY_DATABASE_URL": db_url, "ONCEONLY_SECRETS": f"k1:{K1.value.hex()}"}
+    clean = CliRunner().invoke(cli, ["audit", "verify", "--json"], env=env)
+    assert clean.exit_code == 0, clean.output
+    return env, json.loads(clean.output)
+
+
 def test_audit_verify_checks_the_savers_rows(db_url: str, engine: Engine, ledgers: Any) -> None:
     """``onceonly audit verify`` on a database holding the saver's tables checks them too:
     a checkpoint row moved to another thread is a problem, exit status 1."""
@@ -604,13 +620,7 @@ def test_audit_verify_checks_the_savers_rows(db_url: str, engine: Engine, ledger
     from onceonly.cli import cli
 
     ledgers.fresh().close()  # the ledger's schema beside the saver's
-    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
-        for i in (1, 2):
-            _put(saver, i=i)
-    env = {"ONCEONLY_DATABASE_URL": db_url, "ONCEONLY_SECRETS": f"k1:{K1.value.hex()}"}
-    clean = CliRunner().invoke(cli, ["audit", "verify", "--json"], env=env)
-    assert clean.exit_code == 0, clean.output
-    doc = json.loads(clean.output)
+    env, doc = _two_puts_verified(db_url)
     assert (doc["ok"], doc["langgraph_rows"]) == (True, 1 + 2 + 2)
     assert execute(
         engine,
@@ -631,13 +641,7 @@ def test_audit_verify_on_a_database_of_the_saver_alone(db_url: str, engine: Engi
 
     from onceonly.cli import cli
 
-    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
-        for i in (1, 2):
-            _put(saver, i=i)
-    env = {"ONCEONLY_DATABASE_URL": db_url, "ONCEONLY_SECRETS": f"k1:{K1.value.hex()}"}
-    clean = CliRunner().invoke(cli, ["audit", "verify", "--json"], env=env)
-    assert clean.exit_code == 0, clean.output
-    doc = json.loads(clean.output)
+    env, doc = _two_puts_verified(db_url)
     assert (doc["ok"], doc["ledger"], doc["langgraph_rows"]) == (True, False, 1 + 2 + 2)
     assert doc["blobs"] >= 2
     assert doc["effects"] == 0
