@@ -753,6 +753,7 @@ def _finished_and_forked(env: Env) -> None:
 
 def test_gc_keeps_what_a_live_fork_replays_from(env: Env, ledgers: Ledgers) -> None:
     _finished_and_forked(env)
+    assert env.json("audit", "verify")["ok"] is True  # a fork and its link verify clean
     time.sleep(0.05)
     # The origin is finished and old enough, but the live fork replays from its entries.
     assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 0
@@ -784,6 +785,12 @@ def test_a_fork_whose_link_was_removed_acts_on_nothing(
         "edited": "UPDATE oo_run_links SET key_run = 'elsewhere' WHERE run_id = 'f1'",
     }[edit]
     assert execute(engine, sql) == 1
+    # `onceonly audit verify` reports it: the fork's sealed checkpoint names its origin.
+    found = env.cli("audit", "verify", "--json", ok=False)
+    assert found.exit_code == 1
+    (problem,) = json.loads(found.stdout)["problems"]
+    assert problem.startswith("run 'f1': a fork of run 'r1'")
+    assert "oo_run_links" in problem
     time.sleep(0.05)
     assert env.json("gc", "--older-than", "0s")["runs_deleted"] == 1  # the origin went
     env.approve("f1")

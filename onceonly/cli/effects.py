@@ -344,6 +344,7 @@ def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
             saver_rows = _verify_saver_rows(ledger.store)
             if saver_rows is not None:
                 report.problems.extend(saver_rows[1])
+            report.problems.extend(_verify_fork_links(url))
         ledger_found = True
     if as_json:
         doc = json.loads(report.to_json())
@@ -375,6 +376,43 @@ def audit_verify(url: str | None, witness: str | None, as_json: bool) -> None:
         )
     if not report.ok:
         sys.exit(1)
+
+
+def _verify_fork_links(url: str | None) -> list[str]:
+    """Every fork's link row agrees with the key space its latest checkpoint names: the
+    row is what keeps the origin's ledger entries, which the fork replays, from gc, and
+    it has no seal of its own. A run whose checkpoint does not load is skipped here
+    (``verify_integrity`` reports it)."""
+    from onceonly.checkpoint import Codec, OnceOnlyError  # noqa: PLC0415
+    from onceonly.runtime import META  # noqa: PLC0415
+
+    problems: list[str] = []
+    # A lenient codec: the user's dataclasses are not registered in this process.
+    with open_store(url, codec=Codec(strict=False)) as store:
+
+        def scan(cur: Any) -> tuple[list[str], dict[str, str]]:
+            cur.execute("SELECT run_id FROM oo_runs WHERE head_seq IS NOT NULL")
+            runs = [str(r[0]) for r in cur.fetchall()]
+            cur.execute("SELECT run_id, key_run FROM oo_run_links")
+            return runs, {str(r): str(k) for r, k in cur.fetchall()}
+
+        runs, links = store.read(scan)
+        for run_id in sorted(runs):
+            try:
+                state = store.load(run_id, lazy=True).state
+            except OnceOnlyError:
+                continue
+            meta = state.get(META)
+            key_run = meta.get("key_run") if isinstance(meta, dict) else None
+            if not key_run or key_run == run_id or links.get(run_id) == key_run:
+                continue
+            found = "missing" if run_id not in links else f"names run {links[run_id]!r}"
+            problems.append(
+                f"run {run_id!r}: a fork of run {key_run!r} (its checkpoint says so), but "
+                f"its link row in oo_run_links is {found}: gc would remove the effects the "
+                f"fork replays (the fork refuses to act until the row is put back)"
+            )
+    return problems
 
 
 def _saver_only(url: str | None) -> bool:
