@@ -177,7 +177,12 @@ class _Audit(_Retention):
                 except CorruptRecord as exc:
                     problems.append(f"run {row[0]!r} wait {row[1]!r}#{row[14]}: {exc.detail}")
             if self.integrity is not None:
-                cur.execute("SELECT DISTINCT run_id FROM oo_waits ORDER BY run_id")
+                # Every run whose row seals its waits, not only runs that still have one:
+                # a run's only wait deleted leaves it out of oo_waits altogether.
+                cur.execute(
+                    "SELECT run_id FROM oo_runs WHERE waits_digest IS NOT NULL UNION "
+                    "SELECT run_id FROM oo_waits ORDER BY run_id"
+                )
                 for (rid,) in cur.fetchall():
                     try:
                         self._check_waits_in(cur, rid)

@@ -802,6 +802,21 @@ def test_a_fork_whose_link_was_removed_acts_on_nothing(
     assert len(env.sent()) == 1  # the origin's email only
 
 
+def test_a_runs_only_wait_deleted_is_found_by_verify(env: Env) -> None:
+    """The run row seals its waits; verify checked that only for runs that still had a
+    wait, so deleting a run's only wait verified clean. Acting on it was, and is,
+    refused: the approval cannot be found and nothing is sent."""
+    rid = env.publish("r2")
+    assert execute(env.store.engine, "DELETE FROM oo_waits WHERE run_id = :r", r=rid) == 1
+    found = env.cli("audit", "verify", "--json", ok=False)
+    assert found.exit_code == 1
+    (problem,) = json.loads(found.stdout)["problems"]
+    assert problem.startswith(f"run {rid!r}: its waits are not the ones its run row was sealed")
+    with pytest.raises(WaitNotFound):
+        env.drive(rid)
+    assert env.sent() == []
+
+
 def test_gc_human_output(env: Env) -> None:
     out = env.cli("gc", "--older-than", "1h30m").stdout
     assert "removed 0 run(s)" in out
