@@ -14,7 +14,7 @@ from ._engine import classify, is_integrity_error, translate
 from ._retry import NO_READ, retried
 from ._sql import _row_parts
 from ._state import _Barrier, _Pending
-from .errors import ConcurrentWrite, ConfigurationError, CorruptRecord
+from .errors import ConcurrentWrite, CorruptRecord
 from .failpoints import failpoint
 from .integrity import _make_seal as seal
 from .records import Durability
@@ -66,14 +66,17 @@ class _Writer(_Blobs):
             fn: Receives a DBAPI cursor (parameter marker :attr:`param`).
             idempotent: Running ``fn`` again after its COMMIT may have gone through is
                 harmless: a lost COMMIT is retried too instead of raised.
-            together: Run ids whose checkpoints waiting in ``exit`` mode commit together
-                with ``fn``'s statements or not at all, without savepoints: if ``fn``
-                raises, or one of them cannot be written (another writer advanced its
-                run: :class:`ConcurrentWrite`), nothing of this transaction commits,
-                they are dropped (those runs' next save builds on the stored head) and
-                the error is raised here. Other runs' waiting checkpoints are written
-                first, in a transaction of their own, as always. Refused in ``async``
-                mode, whose group commit isolates its members.
+            together: Run ids whose checkpoints waiting in ``exit`` mode (saved with
+                ``durability="exit"``, on a store of any mode) commit together with
+                ``fn``'s statements or not at all, without savepoints: if ``fn`` raises,
+                or one of them cannot be written (another writer advanced its run:
+                :class:`ConcurrentWrite`), nothing of this transaction commits, they are
+                dropped (those runs' next save builds on the stored head) and the error
+                is raised here. Other runs' waiting checkpoints are written first, in a
+                transaction of their own, as always. On a store whose ``async`` writer
+                runs, such a transaction is written by the caller's thread, as a
+                ``sync`` save is (a group commit isolates its members); with nothing of
+                ``together`` waiting, ``fn`` joins the group commit as usual.
 
         Returns:
             What ``fn`` returned.
@@ -81,7 +84,6 @@ class _Writer(_Blobs):
         Raises:
             StoreError: The transaction could not be committed (nothing of it is durable),
                 or, with ``may_have_committed`` set, its COMMIT's answer was lost.
-            ConfigurationError: ``together`` on a store that writes in ``async`` mode.
         """
         return self.retry.call(
             "run a transaction",
@@ -95,10 +97,15 @@ class _Writer(_Blobs):
         is_async = self._writer is not None
         runs = frozenset(together)
         if runs and is_async:
-            raise ConfigurationError(
-                "transact(together=...) needs a store in exit or sync mode: an async "
-                "store's group commit isolates every member"
-            )
+            with self._lock:
+                if any(p.run_id in runs for p in self._pending):
+                    # exit-mode checkpoints to commit with ``fn``, all or nothing: written
+                    # here, as a sync save is, beside the writer's group commits
+                    barrier = _Barrier(fn, waits=False)
+                    self._write_together(barrier, runs)
+                    if barrier.error is not None:
+                        raise barrier.error
+                    return barrier.result  # type: ignore[no-any-return]
         barrier = _Barrier(fn, waits=is_async)
         if is_async:
             if self._pending:

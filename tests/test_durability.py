@@ -22,7 +22,6 @@ from onceonly.checkpoint import (
     AsyncWriteError,
     CheckpointLost,
     ConcurrentWrite,
-    ConfigurationError,
     Durability,
     Store,
 )
@@ -311,18 +310,34 @@ def _rows(store: Store) -> list[str]:
     return store.read(read)
 
 
+@pytest.mark.parametrize("store_mode", ["exit", "sync", "async"])
 def test_exit_mode_transact_together_commits_all_or_nothing(
-    open_store: Callable[..., Store],
+    open_store: Callable[..., Store], store_mode: str
 ) -> None:
     """``transact(fn, together=[run])``: the run's waiting checkpoints and ``fn``'s
     statements commit together or not at all (without ``together``, a failing ``fn``
     leaves the checkpoints committed); a bystander run's waiting checkpoint is written
     on its own, and commits whatever ``fn`` does; after a failure the run's next save
-    builds on its stored head."""
-    writer = open_store(durability="exit")
+    builds on its stored head. On a store of any mode, for checkpoints saved with
+    ``durability="exit"`` (an ``async`` store, its writer running, refused it)."""
+    store = open_store(durability=store_mode)
     reader = open_store()
-    _table(writer)
-    q = writer.param
+    _table(store)
+    q = store.param
+    if store_mode == "async":  # the background writer runs, with a write of its own
+        busy = store.create_run("flow").run_id
+        store.save(busy, {"a": 0}, step="a0")
+
+    class _Exit:
+        """The store, its saves queued for the next transaction."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def save(self, *args: Any, **kwargs: Any) -> Any:
+            return store.save(*args, durability="exit", **kwargs)
+
+    writer: Any = _Exit()
     rid = writer.create_run("flow").run_id
     bystander = writer.create_run("flow").run_id
     writer.save(rid, {"v": 0}, step="0")
@@ -385,12 +400,23 @@ def test_exit_mode_transact_together_raises_a_lost_race_and_commits_nothing(
     assert [h.step for h in other.history(rid)] == ["0", "o1", "w2"]
 
 
-def test_transact_together_is_refused_by_an_async_store(
+def test_transact_together_with_nothing_waiting_joins_an_async_group_commit(
     open_store: Callable[..., Store],
 ) -> None:
+    """Nothing of ``together`` waits: ``fn`` commits with the async writer's group
+    commit (it used to be refused), durable when ``transact`` returns."""
     writer = open_store(durability="async")
-    with pytest.raises(ConfigurationError, match="together"):
-        writer.transact(lambda cur: None, together=["r"])
+    reader = open_store()
+    _table(writer)
+    q = writer.param
+    rid = writer.create_run("flow").run_id
+    writer.save(rid, {"v": 0}, step="0")  # async: the writer's
+    writer.transact(
+        lambda cur: cur.execute(f"INSERT INTO t_together (v) VALUES ({q})", ("joined",)),
+        together=[rid],
+    )
+    assert _rows(reader) == ["joined"]
+    assert reader.load(rid).state == {"v": 0}  # queued before: in that commit or earlier
 
 
 # -- real processes -------------------------------------------------------------------------

@@ -132,6 +132,74 @@ def test_async_path(db_url: str) -> None:
     assert out["trail"] == ["draft", "review:async", "publish"]
 
 
+def _checkpoint(i: int) -> Any:
+    return {
+        "v": 4,
+        "id": f"1f000000-0000-6000-8000-{i:012d}",
+        "ts": "2025-01-01T00:00:00+00:00",
+        "channel_values": {"n": i, "log": [f"line {j}" for j in range(i)]},
+        "channel_versions": {"n": str(i + 1), "log": str(i + 1)},
+        "versions_seen": {},
+        "updated_channels": None,
+    }
+
+
+@pytest.mark.parametrize("mode", [None, "sync", "async", "exit"])
+def test_a_put_commits_its_values_and_its_record_together_on_any_store(
+    db_url: str, mode: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put whose record cannot be written leaves nothing behind, on a store the saver
+    opens and on one passed in, in each durability mode (an ``async`` store refused
+    every put; a ``sync`` one committed the values without the record)."""
+    from onceonly.adapters.langgraph_saver import _storage
+
+    if mode is None:
+        saver = OnceOnlySaver.from_url(db_url, keyring=keyring())
+        store = saver.store
+    else:
+        store = Store.open(db_url, durability=mode, integrity=keyring().row_keys())
+        saver = OnceOnlySaver(store)
+    real = _storage.Storage._upsert_row
+    fail = {"put": 2}
+
+    def upsert(self: Any, *args: Any) -> None:
+        real(self, *args)
+        if args[3] == _checkpoint(fail["put"])["id"]:
+            raise OSError("the disk went away after the record's insert")
+
+    monkeypatch.setattr(_storage.Storage, "_upsert_row", upsert)
+    try:
+        parent: Any = {"configurable": {"thread_id": "atomic", "checkpoint_ns": ""}}
+        for i in range(2):
+            parent = saver.put(parent, _checkpoint(i), {"source": "loop", "step": i}, {})
+        with pytest.raises(OSError, match="disk went away"):
+            saver.put(parent, _checkpoint(2), {"source": "loop", "step": 2}, {})
+        store.flush()
+        (run,) = store.list_runs(flow="langgraph")
+        assert store.get_run(run.run_id).head_seq == 1  # checkpoint 2's values: gone too
+        fail["put"] = -1
+        parent = saver.put(parent, _checkpoint(3), {"source": "loop", "step": 3}, {})
+        tup = saver.get_tuple({"configurable": {"thread_id": "atomic", "checkpoint_ns": ""}})
+        assert tup is not None
+        assert tup.checkpoint["id"] == _checkpoint(3)["id"]
+        assert tup.checkpoint["channel_values"]["log"] == [f"line {j}" for j in range(3)]
+        assert [t.checkpoint["id"] for t in saver.list(None)] == [
+            _checkpoint(i)["id"] for i in (3, 1, 0)
+        ]
+        rows = _sql(
+            db_url,
+            "SELECT (SELECT COUNT(*) FROM oo_checkpoints WHERE run_id = :r), "
+            "(SELECT COUNT(*) FROM oo_lg_checkpoints WHERE run_id = :r)",
+            r=run.run_id,
+        )
+        assert rows == [(3, 3)]  # every stored checkpoint has its record
+        assert saver.verify()[1] == []
+    finally:
+        saver.close()
+        if mode is not None:
+            store.close()
+
+
 def test_tampered_blob_raises_corrupt_record(db_url: str) -> None:
     big = "x" * 20_000  # encoded beyond the blob threshold: stored as a blob
     with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:

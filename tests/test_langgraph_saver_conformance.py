@@ -4,10 +4,10 @@
 Each capability suite gets a fresh saver on the same database, as the suite intends:
 58 base tests (put, put_writes, get_tuple, list, delete_thread) and 23 for the optional
 capabilities the saver implements (delete_for_runs, copy_thread, prune). Run in every
-configuration: on a store the saver opens itself (``exit`` durability: one transaction
-per put) and on a store the caller passes in (``sync`` durability: values, then the
-record), each with integrity keys (every row sealed and checked) and without
-(``unkeyed=True``).
+configuration: on a store the saver opens itself (``exit`` durability) and on a store the
+caller passes in, in ``sync`` and in ``async`` durability (a put commits its values and
+its record in one transaction whatever the store's mode), each with integrity keys
+(every row sealed and checked) and without (``unkeyed=True``).
 """
 
 from __future__ import annotations
@@ -26,20 +26,21 @@ from tests.ledger_support import keyring
 OPTIONAL = ("copy_thread", "delete_for_runs", "prune")
 
 
-def _run(url: str, *, own_store: bool, keyed: bool) -> CapabilityReport:
+def _run(url: str, *, store_mode: str | None, keyed: bool) -> CapabilityReport:
     name = (
-        f"onceonly-{'own' if own_store else 'shared'}-{'keyed' if keyed else 'unkeyed'}-"
-        f"{url.split(':', 1)[0]}"
+        f"onceonly-{store_mode or 'own'}-{'keyed' if keyed else 'unkeyed'}-{url.split(':', 1)[0]}"
     )
     keys = keyring() if keyed else None
 
     @checkpointer_test(name=name)
     async def saver() -> AsyncIterator[OnceOnlySaver]:
-        if own_store:
+        if store_mode is None:
             with OnceOnlySaver.from_url(url, keyring=keys, unkeyed=not keyed) as s:
                 yield s
             return
-        store = Store.open(url, integrity=None if keys is None else keys.row_keys())
+        store = Store.open(
+            url, durability=store_mode, integrity=None if keys is None else keys.row_keys()
+        )
         try:
             yield OnceOnlySaver(store, unkeyed=not keyed)
         finally:
@@ -53,9 +54,11 @@ def _failures(report: CapabilityReport) -> list[str]:
 
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "unkeyed"])
-@pytest.mark.parametrize("own_store", [True, False], ids=["from_url", "shared_store"])
-def test_conformance(db_url: str, *, own_store: bool, keyed: bool) -> None:
-    report = _run(db_url, own_store=own_store, keyed=keyed)
+@pytest.mark.parametrize(
+    "store_mode", [None, "sync", "async"], ids=["from_url", "shared_sync", "shared_async"]
+)
+def test_conformance(db_url: str, *, store_mode: str | None, keyed: bool) -> None:
+    report = _run(db_url, store_mode=store_mode, keyed=keyed)
     assert report.passed_all_base(), _failures(report)
     base = sum(
         report.results[c].tests_passed

@@ -36,11 +36,11 @@ LangGraph's encoding, and a decoder that builds only allow-listed types (LangCha
 messages, LangGraph's markers, the types you register) and refuses any other with
 :class:`UnregisteredType` before anything is constructed.
 
-**Durability.** :meth:`OnceOnlySaver.from_url` opens its own store and commits each
-``put`` (the channel values and the checkpoint record) in one transaction, durable when
-``put`` returns. Around a store you pass in, ``put`` follows that store's durability mode
-(``sync``: values first, then the record; a record is never written for values that are
-not there).
+**Durability.** Each ``put`` commits the channel values and the checkpoint record in one
+transaction, durable when ``put`` returns: on the store :meth:`OnceOnlySaver.from_url`
+opens and on a store you pass in, whatever its durability mode (``sync``, ``async`` or
+``exit``). ``copy_thread``, ``prune`` and ``delete_for_runs`` commit the values they
+write with their rows the same way.
 
 **Deletion.** ``delete_thread``, ``prune`` and ``delete_for_runs`` rewrite or drop the
 affected namespaces' store runs, so deleted channel values and the blobs only they used

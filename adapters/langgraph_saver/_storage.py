@@ -33,6 +33,7 @@ from onceonly.checkpoint import (
     ConcurrentWrite,
     ConfigurationError,
     CorruptRecord,
+    Durability,
     Handoff,
     RowKeys,
     RunNotFound,
@@ -155,7 +156,9 @@ class Storage:
             for attempt in range(_ATTEMPTS):
                 try:
                     run_id = self._run_for(thread_id, ns)
-                    seq = self.store.save(run_id, values, step=step).seq
+                    # Queued (whatever the store's own mode) for the transaction that
+                    # writes the record: the values and the row commit together.
+                    seq = self.store.save(run_id, values, step=step, durability=_TOGETHER).seq
 
                     def write(cur: Any, run_id: str = run_id, seq: int = seq) -> None:
                         self._upsert_row(
@@ -700,7 +703,8 @@ class Storage:
             placed: list[tuple[_Row, str, int]] = []
             for row, state in zip(rows, states, strict=True):
                 run_id = self._run_for(dst, row.checkpoint_ns)
-                placed.append((row, run_id, self.store.save(run_id, state, step="copy").seq))
+                info = self.store.save(run_id, state, step="copy", durability=_TOGETHER)
+                placed.append((row, run_id, info.seq))
             sql = self._insert_writes_sql(replace=False)
 
             def write(cur: Any) -> None:
@@ -724,7 +728,8 @@ class Storage:
                     cur.executemany(sql, copied)
 
             try:
-                self.store.transact(write)
+                # The copies' values commit with their rows or not at all.
+                self.store.transact(write, together={r for _, r, _ in placed})
             except (ConcurrentWrite, _Stale):
                 self._forget(lambda key: key[0] == dst)
                 raise
@@ -1089,7 +1094,7 @@ class Storage:
                 handoff=Handoff(goal=f"LangGraph thread {thread_id!r}, namespace {ns!r}"),
             )
             for row, state in zip(keep_rows, states, strict=True):
-                info = self.store.save(new_run, state, step="rewrite")
+                info = self.store.save(new_run, state, step="rewrite", durability=_TOGETHER)
                 placed.append((row, info.seq))
         dropped = [r.checkpoint_id for r in rows if r.checkpoint_id not in keep_ids]
 
@@ -1186,6 +1191,9 @@ def _hashable_row(r: Sequence[Any]) -> tuple[Any, ...]:
 
 
 _BUFFERS = frozenset({memoryview, bytearray})
+# A saver's checkpoints wait for the transaction that writes their rows, on a store of
+# any mode: a checkpoint's values never commit without its row, nor its row without them.
+_TOGETHER = Durability.EXIT
 
 _Key = tuple[str, str, str]
 """A checkpoint's (thread id, namespace, checkpoint id)."""
