@@ -508,6 +508,7 @@ class _Writes(_Reads):
                 step=snap.info.step,
                 source=Source.MIGRATION,
                 schema_version=mig.current,
+                durability=Durability.SYNC,  # written (or its lost race raised) here
             )
             self.flush()
             return Snapshot(_delta.private_copy(upgraded), info)
@@ -572,6 +573,7 @@ class _Writes(_Reads):
                 source=Source.MIGRATION,
                 schema_version=mig.current,
                 parent=snap.info.seq,
+                durability=Durability.SYNC,  # written (or its lost race raised) here
             )
             self.flush()
             run = dataclasses.replace(run, head_seq=info.seq, state_version=mig.current)

@@ -20,14 +20,17 @@ from typing import Any
 from onceonly.checkpoint import (
     ENDED,
     CheckpointInfo,
+    CheckpointLost,
     ConcurrentWrite,
     ConfigurationError,
+    Durability,
     Handoff,
     LeaseHeld,
     RetentionPolicy,
     Run,
     RunExists,
     RunStatus,
+    Snapshot,
     Source,
     Store,
     StoreError,
@@ -129,7 +132,7 @@ class Operator:
         state: dict[str, Any] = {}
         meta: dict[str, Any] = {}
         if run.head_seq is not None:
-            state = self.store.load(run_id).state
+            state = self._load(run_id).state
             meta = dict(state.pop(META, None) or {})
         key_run = str(meta.get("key_run") or run_id)
         return RunView(
@@ -298,7 +301,7 @@ class Operator:
             RunNotResumable: The run is not failed, or it failed on a wait (a rejection
                 or an expiry with no step to take): fork it from before the wait.
         """
-        run, snap = self.store.load_run(run_id)
+        run, snap = self._load_run(run_id)
         if run.status is not RunStatus.FAILED or snap is None:
             raise RunNotResumable(run_id, run.status.value, "only a failed run is retried")
         meta = dict(snap.state.get(META) or {})
@@ -354,7 +357,7 @@ class Operator:
         if not actor.strip() or not reason.strip():
             raise ConfigurationError("a fork needs the operator's identity and a reason")
         origin = self.store.get_run(run_id)
-        snap = self.store.load(run_id, seq)
+        snap = self._load(run_id, seq)
         state = snap.state
         meta = dict(state.pop(META, None) or {})
         waiting = meta.get("waiting")
@@ -466,9 +469,9 @@ class Operator:
         """
         if not actor.strip() or not reason.strip():
             raise ConfigurationError("a restart needs the operator's identity and a reason")
-        origin, head = self.store.load_run(run_id)
+        origin, head = self._load_run(run_id)
         done = list(((head.state.get(META) or {}) if head else {}).get("restarted_as") or [])
-        first = self.store.load(run_id, 0)
+        first = self._load(run_id, 0)
         state = first.state
         began = dict(state.pop(META, None) or {})
         if began.get("waiting") or not began.get("next"):
@@ -517,7 +520,7 @@ class Operator:
             )
         except RunExists:
             # An earlier restart of this run that did not finish: finish it.
-            mine = (self.store.load(new, 0).state.get(META) or {}).get("restarted_from") or {}
+            mine = (self._load(new, 0).state.get(META) or {}).get("restarted_from") or {}
             if mine.get("run") != run_id:
                 raise
         if new not in done:
@@ -609,7 +612,7 @@ class Operator:
                 self.store.release_lease(run_id, holder)
 
     def _upgrade(self, run_id: str, flow: Flow, *, actor: str, reason: str) -> Run:
-        run, snap = self.store.load_run(run_id)
+        run, snap = self._load_run(run_id)
         if snap is None:
             raise UpgradeRefused(run_id, "it has no checkpoint yet")
         old = run.code_version
@@ -662,7 +665,7 @@ class Operator:
                 )
         if mig is not None and have != mig.current:
             # a checkpoint of source ``migration`` with the upgraded state
-            run, snap = self.store.load_run(run_id, migrations=mig)
+            run, snap = self._load_run(run_id, migrations=mig)
             assert snap is not None
             meta = dict(snap.state.get(META) or {})
         # The renamed visits count from the old ones; the old counts stay (visits passed
@@ -762,6 +765,23 @@ class Operator:
         )
 
     # -- internals ---------------------------------------------------------------------
+    def _load(self, run_id: str, seq: int | None = None) -> Snapshot:
+        """``store.load``, past a :class:`CheckpointLost` report (see :meth:`_load_run`)."""
+        try:
+            return self.store.load(run_id, seq)
+        except CheckpointLost:
+            return self.store.load(run_id, seq)
+
+    def _load_run(self, run_id: str, **kwargs: Any) -> tuple[Run, Snapshot | None]:
+        """``store.load_run``, past a :class:`CheckpointLost` report: on a store shared
+        with a worker, a step's queued (``async``) checkpoint that lost to another writer
+        is reported once, to the next load of the run. It is the worker's (which runs the
+        step again); an operator reads the head that stands."""
+        try:
+            return self.store.load_run(run_id, **kwargs)
+        except CheckpointLost:
+            return self.store.load_run(run_id, **kwargs)
+
     def _operator_checkpoint(
         self,
         run_id: str,
@@ -788,7 +808,7 @@ class Operator:
         if not actor.strip():
             raise ConfigurationError(f"{step} needs the operator's identity")
         for attempt in range(1, attempts + 1):
-            run, snap = self.store.load_run(run_id)
+            run, snap = self._load_run(run_id)
             if expect is not None:
                 expect(run)
             if snap is None:
@@ -814,26 +834,24 @@ class Operator:
                 meta["error"] = None
             meta.update(meta_update or {})
             state[META] = meta
+            # Left out, the store's default keeps the run's next step.
+            moves: dict[str, Any] = {} if next_step is None else {"next_step": next_step}
             try:
-                if next_step is None:  # the store's default keeps the run's next step
-                    info = self.store.save(
-                        run_id,
-                        state,
-                        step=step,
-                        status=status,
-                        source=Source.OPERATOR,
-                        parent=snap.info.seq,
-                    )
-                else:
-                    info = self.store.save(
-                        run_id,
-                        state,
-                        step=step,
-                        next_step=next_step,
-                        status=status,
-                        source=Source.OPERATOR,
-                        parent=snap.info.seq,
-                    )
+                # Durable and race-checked before the action is recorded and returned,
+                # whatever the store's mode: an ``async`` store would queue it, and a
+                # worker's checkpoint landing first would drop it after it was reported
+                # done (CheckpointLost on the next call, the audit chain saying it
+                # happened).
+                info = self.store.save(
+                    run_id,
+                    state,
+                    step=step,
+                    status=status,
+                    source=Source.OPERATOR,
+                    parent=snap.info.seq,
+                    durability=Durability.SYNC,
+                    **moves,
+                )
             except ConcurrentWrite:
                 if attempt == attempts:
                     raise

@@ -37,6 +37,7 @@ from opentelemetry import trace
 from onceonly.adapters import StepDiverged, step
 from onceonly.checkpoint import (
     ENDED,
+    CheckpointLost,
     CodecError,
     ConcurrentWrite,
     ConfigurationError,
@@ -301,6 +302,7 @@ class Runtime:
                         next_step=f.start,
                         status=RunStatus.RUNNING,
                         parent=-1,
+                        durability=Durability.SYNC,  # a lost race is raised here
                     )
             return rid
         self.store.transact(lambda cur: notify_ready(cur, self.store.dialect))
@@ -366,7 +368,13 @@ class Runtime:
         runs, its next claim is refused before anything is sent and the step's work is
         dropped.
         """
-        run, snap = self.store.load_run(run_id)
+        try:
+            run, snap = self.store.load_run(run_id)
+        except CheckpointLost:
+            # This run's queued (async) checkpoints lost to another writer (an operator's
+            # action, another worker): their steps' work was dropped, as when a sync
+            # checkpoint loses; the step runs again on the head that stands.
+            run, snap = self.store.load_run(run_id)
         if run.status in ENDED or snap is None:
             return False
         flow = self._flow(run_id, run.flow, run.code_version)

@@ -865,6 +865,103 @@ def test_a_cancel_during_a_step_wins_over_the_step(env: Env, same_store: bool) -
     assert "touched" not in env.state(rid)
 
 
+@pytest.mark.parametrize("mode", ["async", "exit"])
+def test_an_operators_action_is_durable_on_return_on_a_store_of_any_mode(
+    env: Env, mode: str
+) -> None:
+    """An operator on a store opened in ``async`` or ``exit`` mode: its action is
+    written, race-checked, before it returns and before the audit chain records it. It
+    was queued with the store's mode: an edit of the address the next step mails,
+    reported done and recorded, was still waiting when a worker ran the step, which
+    mailed the old address (and the edit then lost the race: never written)."""
+    flow = Flow("mail")
+
+    @flow.step(start=True)
+    def mail(ctx: StepContext) -> Transition:
+        env.send(ctx, "mail@1", ctx.state["to"])
+        return ctx.end()
+
+    rt = env.runtime(flow)
+    rid = rt.start("mail", {"to": "old@example.com"})
+    store = env.ledgers.store(durability=mode)
+    # its audit records go to the runtime's store: nothing of them flushes this one
+    operator = Operator(store, env.ledger)
+    info = operator.edit(rid, "to", "new@example.com", actor="ops", reason="moved")
+    assert [a["detail"]["action"] for a in operator.actions(rid)] == ["operator:edit"]
+    assert rt.drive(rid).status is RunStatus.COMPLETED
+    assert env.provider.sent() == ["new@example.com"]
+    with Store.open(env.ledgers.db_url) as fresh:
+        edited = fresh.load(rid, info.seq).state
+        assert edited["to"] == "new@example.com"
+    assert operator.show(rid).run.status is RunStatus.COMPLETED
+
+
+def test_an_operator_sharing_an_async_workers_store_reads_past_its_lost_checkpoint(
+    env: Env,
+) -> None:
+    """A worker's ``async`` step checkpoint loses to a cancel from another console; the
+    store reports the loss once, to the next load of the run. An operator sharing the
+    worker's store got that report (``CheckpointLost``) from ``show`` and from its
+    actions: it is the worker's, and the operator reads the head that stands."""
+    flow = Flow("long", durability="async")
+    console = Operator(env.ledgers.store(), env.ledger)
+
+    @flow.step(start=True)
+    def first(ctx: StepContext) -> Transition:
+        env.send(ctx, "send@1", "first")
+        console.cancel(ctx.run_id, actor="ops", reason="stop")
+        ctx.state["touched"] = True
+        return ctx.next("second")
+
+    @flow.step
+    def second(ctx: StepContext) -> Transition:
+        env.send(ctx, "send@1", "second")
+        return ctx.end()
+
+    rt = env.runtime(flow)
+    rid = rt.start("long")
+    assert rt.drive(rid).status is RunStatus.CANCELLED
+    env.store.flush()  # the step's queued checkpoint: written or lost by now
+    view = env.operator.show(rid)
+    assert view.run.status is RunStatus.CANCELLED
+    assert "touched" not in view.state
+    info = env.operator.edit(rid, "note", "checked", actor="ops", reason="audit")
+    assert env.store.load(rid).info.seq == info.seq
+    assert env.provider.sent() == ["first"]
+
+
+def test_a_drive_after_an_async_checkpoint_lost_to_an_operator_runs_the_step_again(
+    env: Env,
+) -> None:
+    """An operator's edit lands while an ``async`` run's step runs: the step's queued
+    checkpoint loses the race and is reported once, to the next load of the run. The
+    runtime's own next drive got that report as ``CheckpointLost``; it now runs the step
+    again on the edited head (its effect replays), then the next one."""
+    flow = Flow("mail", durability="async")
+    console = Operator(env.ledgers.store(), env.ledger)
+
+    @flow.step(start=True)
+    def first(ctx: StepContext) -> Transition:
+        env.send(ctx, "mail@1", "first")
+        if "note" not in ctx.state:
+            console.edit(ctx.run_id, "note", "edited", actor="ops", reason="context")
+        return ctx.next("second")
+
+    @flow.step
+    def second(ctx: StepContext) -> Transition:
+        env.send(ctx, "mail@1", f"second {ctx.state.get('note')}")
+        return ctx.end()
+
+    rt = env.runtime(flow)
+    rid = rt.start("mail")
+    for _ in range(4):
+        env.store.flush()  # the queued checkpoints: written or lost by now
+        if rt.drive(rid).status is RunStatus.COMPLETED:
+            break
+    assert env.store.get_run(rid).status is RunStatus.COMPLETED
+    assert env.provider.sent() == ["first", "second edited"]
+
+
 def test_a_fork_replays_committed_effects_and_asks_again(env: Env) -> None:
     flow = _approval_flow(env)
 
