@@ -841,15 +841,15 @@ def test_cancel_closes_the_waits_and_stops_the_run(env: Env) -> None:
     assert env.meta(rid)["operator_log"][-1]["reason"] == "duplicate invoice"
 
 
-@pytest.mark.parametrize("same_store", [True, False])
-def test_a_cancel_during_a_step_wins_over_the_step(env: Env, same_store: bool) -> None:
-    flow = Flow("long")
-    operator = env.operator if same_store else Operator(env.ledgers.store(), env.ledger)
+def _cancelled_mid_step(env: Env, operator: Operator, durability: str | None = None) -> str:
+    """A run whose first step sends, is cancelled by ``operator`` (meanwhile, elsewhere)
+    and would go on to send again; driven: the cancel wins."""
+    flow = Flow("long", durability=durability)
 
     @flow.step(start=True)
     def first(ctx: StepContext) -> Transition:
         env.send(ctx, "send@1", "first")
-        operator.cancel(ctx.run_id, actor="ops", reason="stop")  # meanwhile, elsewhere
+        operator.cancel(ctx.run_id, actor="ops", reason="stop")
         ctx.state["touched"] = True
         return ctx.next("second")
 
@@ -862,6 +862,13 @@ def test_a_cancel_during_a_step_wins_over_the_step(env: Env, same_store: bool) -
     rid = rt.start("long")
     assert rt.drive(rid).status is RunStatus.CANCELLED
     assert env.provider.sent() == ["first"]
+    return rid
+
+
+@pytest.mark.parametrize("same_store", [True, False])
+def test_a_cancel_during_a_step_wins_over_the_step(env: Env, same_store: bool) -> None:
+    operator = env.operator if same_store else Operator(env.ledgers.store(), env.ledger)
+    rid = _cancelled_mid_step(env, operator)
     assert "touched" not in env.state(rid)
 
 
@@ -903,24 +910,8 @@ def test_an_operator_sharing_an_async_workers_store_reads_past_its_lost_checkpoi
     store reports the loss once, to the next load of the run. An operator sharing the
     worker's store got that report (``CheckpointLost``) from ``show`` and from its
     actions: it is the worker's, and the operator reads the head that stands."""
-    flow = Flow("long", durability="async")
     console = Operator(env.ledgers.store(), env.ledger)
-
-    @flow.step(start=True)
-    def first(ctx: StepContext) -> Transition:
-        env.send(ctx, "send@1", "first")
-        console.cancel(ctx.run_id, actor="ops", reason="stop")
-        ctx.state["touched"] = True
-        return ctx.next("second")
-
-    @flow.step
-    def second(ctx: StepContext) -> Transition:
-        env.send(ctx, "send@1", "second")
-        return ctx.end()
-
-    rt = env.runtime(flow)
-    rid = rt.start("long")
-    assert rt.drive(rid).status is RunStatus.CANCELLED
+    rid = _cancelled_mid_step(env, console, "async")
     env.store.flush()  # the step's queued checkpoint: written or lost by now
     view = env.operator.show(rid)
     assert view.run.status is RunStatus.CANCELLED
