@@ -14,7 +14,9 @@ Faults are queued in ``faults``; each write request pops one:
 * ``"reject"``: 402 (a definite refusal) before applying;
 * ``"drop"``: apply, then sleep ``sleep_s`` (past the client's timeout) before answering;
 * ``"cut"``: apply, then break the connection in the middle of the response;
-* ``"slow"``: hold the key in flight for ``sleep_s``, then apply.
+* ``"slow"``: hold the key in flight for ``sleep_s``, then apply;
+* ``"held"``: hold the key in flight until a request with the same key has been answered
+  409 (at most ``hold_s``), then apply: an in-flight conflict on a loaded machine too.
 
 ``forget_after_s`` makes the provider forget keys (dedup and lookups) after that long.
 
@@ -71,6 +73,7 @@ class FakeProvider:
     require_key: bool = True
     forget_after_s: float | None = None
     sleep_s: float = 0.4
+    hold_s: float = 120.0
     faults: list[str] = field(default_factory=list)
     log: list[RawRequest] = field(default_factory=list)
     applied: list[tuple[str | None, Any]] = field(default_factory=list)
@@ -79,6 +82,7 @@ class FakeProvider:
         self._lock = threading.Lock()
         self._stored: dict[str, _Stored] = {}
         self._in_flight: set[str] = set()
+        self._conflicts: dict[str, int] = {}  # 409s answered, by key
         self.app = Starlette(
             routes=[
                 Route("/lookup/{key}", self._lookup, methods=["GET"]),
@@ -170,6 +174,7 @@ class FakeProvider:
                 self._forget()
                 stored = self._stored.get(key)
                 if self.dedup and key in self._in_flight:
+                    self._conflicts[key] = self._conflicts.get(key, 0) + 1
                     return answer(409, {"error": "a request with this key is in flight"})
                 if self.dedup and stored is not None:
                     if stored.body != body:
@@ -179,6 +184,10 @@ class FakeProvider:
         try:
             if fault == "slow":
                 await asyncio.sleep(self.sleep_s)
+            if fault == "held" and key is not None:
+                until = time.monotonic() + self.hold_s
+                while not self._conflicts.get(key) and time.monotonic() < until:
+                    await asyncio.sleep(0.01)
             with self._lock:
                 response = {"id": len(self.applied) + 1, "request": json.loads(body or b"null")}
                 self.applied.append((key, response))

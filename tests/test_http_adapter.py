@@ -328,8 +328,9 @@ def test_a_lost_answer_after_applying_is_settled_by_the_class(
 def test_class_a_409_in_flight_is_ambiguous_and_resent_until_answered(
     fake: FakeProvider, ledger: Ledger, client: httpx.Client
 ) -> None:
-    fake.faults = ["slow"]  # holds the key in flight for 0.4 s; the client waits 0.2 s
-    http = GuardedHTTP(client, ledger, retry=RetryPolicy(max_attempts=10, initial_s=0.1, max_s=0.2))
+    # The key stays in flight until a re-send meets it (409); the client waits 0.2 s.
+    fake.faults = ["held"]
+    http = GuardedHTTP(client, ledger, retry=RetryPolicy(max_attempts=50, initial_s=0.1, max_s=0.2))
     result = pay(http, fake, "A")
     statuses = [w.status for w in fake.writes]
     assert 409 in statuses
