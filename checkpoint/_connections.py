@@ -86,9 +86,10 @@ class _Connections:
                 f"is durable."
             ) from err
 
-    def _take_lost(self, run_id: str) -> None:
+    def _take_lost(self, run_id: str, report: bool = True) -> None:
         """Raise :class:`CheckpointLost` once for a run whose queued checkpoints were
-        left out (another writer won the race)."""
+        left out (another writer won the race); with ``report=False``, take the report
+        without raising it (the caller reads the head that stands)."""
         if self._lost:
             with self._count_lock:
                 seq = self._lost.pop(run_id, None)
@@ -97,7 +98,8 @@ class _Connections:
                 with self._count_lock:
                     # What was queued before this report and fails later is part of it.
                     self._reported[run_id] = self._reported.get(run_id, 0) + 1
-                raise CheckpointLost(run_id, seq)
+                if report:
+                    raise CheckpointLost(run_id, seq)
 
     def _remember(self, run_id: str, head: _Head) -> None:
         self._heads[run_id] = head

@@ -75,3 +75,9 @@ class _Barrier:
         self.fn = fn
         self.result: Any = None
         self.error: BaseException | None = None
+
+    def outcome(self) -> Any:
+        """The work's result, or its error raised."""
+        if self.error is not None:
+            raise self.error
+        return self.result

@@ -96,16 +96,15 @@ class _Writer(_Blobs):
         self._check_open()
         is_async = self._writer is not None
         runs = frozenset(together)
-        if runs and is_async:
+        if runs:
             with self._lock:
                 if any(p.run_id in runs for p in self._pending):
                     # exit-mode checkpoints to commit with ``fn``, all or nothing: written
-                    # here, as a sync save is, beside the writer's group commits
+                    # here (on an async store as a sync save is, beside the writer's
+                    # group commits)
                     barrier = _Barrier(fn, waits=False)
                     self._write_together(barrier, runs)
-                    if barrier.error is not None:
-                        raise barrier.error
-                    return barrier.result  # type: ignore[no-any-return]
+                    return barrier.outcome()  # type: ignore[no-any-return]
         barrier = _Barrier(fn, waits=is_async)
         if is_async:
             if self._pending:
@@ -119,15 +118,11 @@ class _Writer(_Blobs):
             # surfaces on the next call, never as this call's error.
         else:
             with self._lock:
-                if runs and self._pending:
-                    self._write_together(barrier, runs)
-                elif self.durability is Durability.EXIT or self._pending:
+                if self.durability is Durability.EXIT or self._pending:
                     self._write_exit([barrier])
                 else:
                     self._write_batch([], [barrier])
-        if barrier.error is not None:
-            raise barrier.error
-        return barrier.result  # type: ignore[no-any-return]
+        return barrier.outcome()  # type: ignore[no-any-return]
 
     @retried("write checkpoints", idempotent=False)
     def _write_batch(

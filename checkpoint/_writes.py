@@ -466,6 +466,7 @@ class _Writes(_Reads):
         *,
         lazy: bool = False,
         migrations: StateMigrations | None = None,
+        report_lost: bool = True,
     ) -> Snapshot:
         """Load the latest checkpoint (or checkpoint ``seq``) of a run.
 
@@ -480,8 +481,16 @@ class _Writes(_Reads):
         is older, the upgrades run; loading the latest checkpoint then records the result
         as a new checkpoint with source ``migration``.
 
+        A queued (``async`` / ``exit``) checkpoint of the run that lost its race to
+        another writer is reported once, to the next load of the latest checkpoint, as
+        :class:`CheckpointLost`. With ``report_lost=False`` the report is taken without
+        being raised and the head that stands is read: for a caller that handles a lost
+        race by reading again (the runtime runs the step again; an operator acts on the
+        head that stands).
+
         Raises:
             RunNotFound / CheckpointNotFound: Nothing to load.
+            CheckpointLost: As above (not with ``report_lost=False``).
             CorruptRecord: A row or blob failed its check; nothing is returned.
             StateVersionError: The checkpoint is newer than ``migrations.current``, or an
                 upgrade is missing.
@@ -490,7 +499,7 @@ class _Writes(_Reads):
             self._check_open()
             self.flush()
             if seq is None:
-                self._take_lost(run_id)
+                self._take_lost(run_id, report_lost)
             snap, head = self._load(run_id, seq, lazy=lazy)
             if seq is None:
                 self._remember(run_id, head)
@@ -519,6 +528,7 @@ class _Writes(_Reads):
         *,
         lazy: bool = False,
         migrations: StateMigrations | None = None,
+        report_lost: bool = True,
     ) -> tuple[Run, Snapshot | None]:
         """The run row and its latest checkpoint as **one consistent snapshot**.
 
@@ -535,6 +545,7 @@ class _Writes(_Reads):
             lazy: As in :meth:`load`.
             migrations: As in :meth:`load`: older state is upgraded and the upgrade is
                 recorded as a checkpoint (source ``migration``) before it is returned.
+            report_lost: As in :meth:`load`.
 
         Returns:
             The run and its latest checkpoint (None when it has none yet).
@@ -543,10 +554,11 @@ class _Writes(_Reads):
             RunNotFound: No such run.
             CorruptRecord: A row or blob failed its check; nothing is returned.
             StateVersionError: As in :meth:`load`.
+            CheckpointLost: As in :meth:`load`.
         """
         with self._lock:
             self._check_open()
-            self._take_lost(run_id)
+            self._take_lost(run_id, report_lost)
             head = self._heads.get(run_id)
             with self._count_lock:
                 ahead = self._unwritten.get(run_id, 0) > 0 and run_id not in self._stale_runs

@@ -20,7 +20,6 @@ from typing import Any
 from onceonly.checkpoint import (
     ENDED,
     CheckpointInfo,
-    CheckpointLost,
     ConcurrentWrite,
     ConfigurationError,
     Durability,
@@ -767,20 +766,14 @@ class Operator:
     # -- internals ---------------------------------------------------------------------
     def _load(self, run_id: str, seq: int | None = None) -> Snapshot:
         """``store.load``, past a :class:`CheckpointLost` report (see :meth:`_load_run`)."""
-        try:
-            return self.store.load(run_id, seq)
-        except CheckpointLost:
-            return self.store.load(run_id, seq)
+        return self.store.load(run_id, seq, report_lost=False)
 
     def _load_run(self, run_id: str, **kwargs: Any) -> tuple[Run, Snapshot | None]:
         """``store.load_run``, past a :class:`CheckpointLost` report: on a store shared
         with a worker, a step's queued (``async``) checkpoint that lost to another writer
         is reported once, to the next load of the run. It is the worker's (which runs the
         step again); an operator reads the head that stands."""
-        try:
-            return self.store.load_run(run_id, **kwargs)
-        except CheckpointLost:
-            return self.store.load_run(run_id, **kwargs)
+        return self.store.load_run(run_id, report_lost=False, **kwargs)
 
     def _operator_checkpoint(
         self,

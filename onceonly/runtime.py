@@ -37,7 +37,6 @@ from opentelemetry import trace
 from onceonly.adapters import StepDiverged, step
 from onceonly.checkpoint import (
     ENDED,
-    CheckpointLost,
     CodecError,
     ConcurrentWrite,
     ConfigurationError,
@@ -368,13 +367,11 @@ class Runtime:
         runs, its next claim is refused before anything is sent and the step's work is
         dropped.
         """
-        try:
-            run, snap = self.store.load_run(run_id)
-        except CheckpointLost:
-            # This run's queued (async) checkpoints lost to another writer (an operator's
-            # action, another worker): their steps' work was dropped, as when a sync
-            # checkpoint loses; the step runs again on the head that stands.
-            run, snap = self.store.load_run(run_id)
+        # A report that this run's queued (async) checkpoints lost to another writer (an
+        # operator's action, another worker) is read past: their steps' work was
+        # dropped, as when a sync checkpoint loses; the step runs again on the head that
+        # stands.
+        run, snap = self.store.load_run(run_id, report_lost=False)
         if run.status in ENDED or snap is None:
             return False
         flow = self._flow(run_id, run.flow, run.code_version)

@@ -124,6 +124,32 @@ def test_an_async_lost_race_surfaces_once_to_its_own_run(
     assert other.load(rid).state == {"v": "a2"}
 
 
+@pytest.mark.parametrize("via", ["load", "load_run"])
+def test_a_lost_race_read_past_is_taken_and_not_reported_again(
+    open_store: Callable[..., Store], via: str
+) -> None:
+    """``report_lost=False`` (the runtime's and the operator's reads) takes the report
+    and reads the head that stands; the report is not given to a later load either."""
+    writer = open_store(durability="async")
+    other = open_store()
+    rid = _conflict(writer, other)
+    writer.save(rid, {"v": "lost"}, step="a1")  # queued; its write will conflict
+    writer.flush()
+    if via == "load":
+        snap = writer.load(rid, report_lost=False)
+    else:
+        run, got = writer.load_run(rid, report_lost=False)
+        assert got is not None
+        assert run.head_seq == got.info.seq == 1
+        snap = got
+    assert snap.state == {"v": "other"}
+    assert snap.info.seq == 1
+    assert writer.load(rid).state == {"v": "other"}  # no report left for this one
+    assert writer.save(rid, {"v": "a2"}, step="a2").seq == 2
+    writer.close()  # nor for close
+    assert [h.step for h in other.history(rid)] == ["a0", "other", "a2"]
+
+
 @contextlib.contextmanager
 def _writes_blocked(db_url: str) -> Iterator[None]:
     """Hold the database's write lock (SQLite) or the checkpoint table's (PostgreSQL)
