@@ -250,6 +250,23 @@ class _Reads(_Writer):
             seq=int(row.seq),
         )
 
+    def checkpoint_info_in(self, cur: Any, run_id: str, seq: int) -> CheckpointInfo | None:
+        """Checkpoint ``seq``'s metadata read through ``cur`` (in the caller's
+        transaction), its seal checked and nothing of its body read; None when the run
+        has no such checkpoint.
+
+        Raises:
+            CorruptRecord: The row fails its seal, or names a source no writer produces.
+        """
+        cur.execute(self._sql.ckpt_meta, (run_id, seq))
+        found = cur.fetchone()
+        if found is None:
+            return None
+        n, kind, kf, step, source, version, created, digest, sealed = found
+        row = _Row(n, kind, kf, step, source, version, created, b"", bytes(digest), sealed)
+        self._check_seal(run_id, row)
+        return _row_info(run_id, row)
+
     def _run_exists(self, cur: Any, run_id: str) -> bool:
         cur.execute(self._sql.run_head, (run_id,))
         return cur.fetchone() is not None

@@ -188,6 +188,10 @@ class _SQL:
             f"AND seq <= {q} ORDER BY seq"
         )
         self.run_head = f"SELECT head_seq FROM oo_runs WHERE run_id = {q}"
+        self.ckpt_meta = (
+            "SELECT seq, kind, keyframe_seq, step, source, schema_version, created_at, "
+            f"digest, seal FROM oo_checkpoints WHERE run_id = {q} AND seq = {q}"
+        )
         # The head and the highest checkpoint, in one statement (one snapshot).
         top = f"(SELECT MAX(m.seq) FROM oo_checkpoints m WHERE m.run_id = {q})"
         self.run_head_top = f"SELECT head_seq, {top} FROM oo_runs WHERE run_id = {q}"

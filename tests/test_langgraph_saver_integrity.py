@@ -10,6 +10,8 @@ payload is live: read with LangGraph's permissive serializer and no keys, it run
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import enum
 import json
@@ -593,7 +595,11 @@ def test_verify_finds_a_flip_in_any_row_of_any_thread(
     with OnceOnlySaver.from_url(db_url, keyring=keyring()) as fresh:
         checked, problems = fresh.verify()
     assert checked == 8
-    assert len(problems) == 1, problems
+    lost = [p for p in problems if "has lost its record" in p]
+    assert len(problems) - len(lost) == 1, problems
+    # a checkpoint row moved away from its thread (or its run) that was the newest
+    # there is also its namespace's lost record
+    assert len(lost) <= (table == "oo_lg_checkpoints" and column in ("thread_id", "run_id"))
 
 
 def _two_puts_verified(db_url: str) -> tuple[dict[str, str], dict[str, Any]]:
@@ -677,4 +683,138 @@ def test_audit_verify_on_a_database_of_the_saver_alone(db_url: str, engine: Engi
     )
     doc = json.loads(CliRunner().invoke(cli, ["audit", "verify", "--json"], env=env).output)
     assert doc["ok"] is False
-    assert len(doc["problems"]) == 2, doc["problems"]  # the moved row, the edited body
+    # the moved row (which was its thread's newest: also a lost record), the edited body
+    assert len(doc["problems"]) == 3, doc["problems"]
+    assert sum("has lost its record" in p for p in doc["problems"]) == 1
+
+
+# -- the newest checkpoint's record: deleted or moved, never silently gone back from --------
+
+
+def _cid(i: int) -> str:
+    return str(_checkpoint(i, {})["id"])
+
+
+def _edit_newest(engine: Engine, edit: str, newest: int) -> None:
+    """Delete (or move to another thread) the record of checkpoint ``newest`` (with
+    ``every``: of every checkpoint of the thread), as someone with database access can."""
+    if edit == "every":
+        assert execute(engine, "DELETE FROM oo_lg_writes WHERE thread_id = :t", t=THREAD)
+        assert execute(engine, "DELETE FROM oo_lg_checkpoints WHERE thread_id = :t", t=THREAD)
+        return
+    where = "thread_id = :t AND checkpoint_id = :c"
+    if edit == "delete":
+        assert execute(engine, f"DELETE FROM oo_lg_writes WHERE {where}", t=THREAD, c=_cid(newest))
+        assert execute(
+            engine, f"DELETE FROM oo_lg_checkpoints WHERE {where}", t=THREAD, c=_cid(newest)
+        )
+    else:
+        assert execute(
+            engine,
+            f"UPDATE oo_lg_checkpoints SET thread_id = 'elsewhere' WHERE {where}",
+            t=THREAD,
+            c=_cid(newest),
+        )
+
+
+@pytest.mark.parametrize("store_mode", [None, "sync", "async"], ids=lambda m: m or "from_url")
+@pytest.mark.parametrize("edit", ["delete", "move", "every"])
+def test_a_newest_record_that_is_gone_is_refused_not_gone_back_from(
+    db_url: str, engine: Engine, edit: str, store_mode: str | None
+) -> None:
+    """The newest checkpoint's record deleted, or moved to another thread, or every
+    record of the thread deleted: reading the latest (what a graph resumes from) would
+    go back to an older checkpoint, or start the thread anew, and run its steps again.
+    The store run still holds the newest values, written with their record in one
+    transaction: the read is refused, ``verify`` names it, and pruning the thread is
+    the way on from what is left. An explicitly named older checkpoint still reads."""
+
+    @contextlib.contextmanager
+    def open_saver() -> Iterator[OnceOnlySaver]:
+        if store_mode is None:
+            with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+                yield saver
+            return
+        with (
+            Store.open(db_url, durability=store_mode, integrity=keyring().row_keys()) as store,
+            OnceOnlySaver(store) as saver,
+        ):
+            yield saver
+
+    with open_saver() as saver:
+        for i in (1, 2, 3):
+            _put(saver, i=i)
+        tup = saver.get_tuple(_config())
+        assert tup is not None  # positive control: the intact thread reads
+        assert tup.config["configurable"]["checkpoint_id"] == _cid(3)
+        assert saver.verify()[1] == []
+    _edit_newest(engine, edit, 3)
+    with open_saver() as fresh:
+        with pytest.raises(CorruptRecord, match="has lost its record") as lost:
+            fresh.get_tuple(_config())
+        assert _cid(3) in str(lost.value)
+        with pytest.raises(CorruptRecord, match="has lost its record"):
+            asyncio.run(fresh.aget_tuple(_config()))
+        if edit != "every":
+            older = fresh.get_tuple(
+                {
+                    "configurable": {
+                        "thread_id": THREAD,
+                        "checkpoint_ns": "",
+                        "checkpoint_id": _cid(2),
+                    }
+                }
+            )
+            assert older is not None
+            assert older.checkpoint["channel_values"]["n"] == 2
+        _, problems = fresh.verify()
+        named = [p for p in problems if "has lost its record" in p]
+        assert len(named) == 1, problems
+        assert _cid(3) in named[0]
+        if edit == "every":
+            return
+        fresh.prune([THREAD], strategy="keep_latest")
+        again = fresh.get_tuple(_config())
+        assert again is not None
+        assert again.config["configurable"]["checkpoint_id"] == _cid(2)
+        assert again.checkpoint["channel_values"]["n"] == 2
+        assert [p for p in fresh.verify()[1] if "has lost its record" in p] == []
+
+
+def test_values_an_earlier_version_left_without_their_record_are_not_refused(
+    db_url: str, engine: Engine
+) -> None:
+    """Before every put was one transaction, a saver on a store passed in ``sync`` mode
+    committed the values, then the record: a crash between the two left values without a
+    record (their label has no checkpoint id). That is not an edit: the thread reads
+    from its newest record, and the next put goes on from there."""
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        for i in (1, 2):
+            _put(saver, i=i)
+        ((run_id,),) = fetch(
+            engine, "SELECT run_id FROM oo_lg_threads WHERE thread_id = :t", t=THREAD
+        )
+        saver.store.save(run_id, {"n": 99}, step="loop:3")  # as an earlier version's put did
+        tup = saver.get_tuple(_config())
+        assert tup is not None
+        assert tup.config["configurable"]["checkpoint_id"] == _cid(2)
+        assert saver.verify()[1] == []
+        _put(saver, i=3)
+        tup = saver.get_tuple(_config())
+        assert tup is not None
+        assert tup.checkpoint["channel_values"]["n"] == 3
+
+
+def test_an_older_checkpoint_put_again_is_not_a_lost_record(db_url: str) -> None:
+    """A put of a checkpoint id the thread already has moves that record to the newest
+    values: the newest record by id is then not the newest values', and nothing is
+    lost."""
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        for i in (1, 2):
+            _put(saver, i=i)
+        values = {"messages": [HumanMessage("again", id="h2")], "n": 7}
+        saver.put(_config(), _checkpoint(1, values), {"source": "update", "step": 3}, {})
+        tup = saver.get_tuple(_config())
+        assert tup is not None
+        assert tup.config["configurable"]["checkpoint_id"] == _cid(2)
+        assert saver.verify()[1] == []

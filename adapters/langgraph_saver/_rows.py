@@ -75,6 +75,14 @@ class _Row:
         )
 
 
+def _core_step(label: str, checkpoint_id: str) -> str:
+    """The step label of the store checkpoint holding a LangGraph checkpoint's values:
+    ``label@checkpoint_id``. Written (sealed) in the transaction that writes the
+    checkpoint's row; a label without ``@`` is one an earlier version wrote, whose row
+    may have been left out by a crash between two commits."""
+    return f"{label[:200]}@{checkpoint_id}"
+
+
 def _row_keys(keyring: Keyring | None, *, unkeyed: bool) -> RowKeys | None:
     """The keys a saver seals with: the keyring's, else ``ONCEONLY_SECRETS``'s; none
     only when asked for (``unkeyed``).

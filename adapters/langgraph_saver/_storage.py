@@ -49,6 +49,7 @@ from ._rows import (
     _WALK_SEEDS,
     _WRITE_COLS,
     _conf,
+    _core_step,
     _Row,
     _Stale,
 )
@@ -92,12 +93,21 @@ class Storage:
         def scan(cur: Any) -> int:
             n = 0
             cur.execute("SELECT thread_id, checkpoint_ns, run_id, seal FROM oo_lg_threads")
+            mapped = []
             for found in cur.fetchall():
                 n += 1
                 try:
-                    self._mapped_run(found)
+                    mapped.append((str(found[0]), str(found[1]), self._mapped_run(found)))
                 except CorruptRecord as exc:
                     problems.append(exc.detail)
+            for thread_id, ns, run_id in mapped:
+                # each namespace's newest checkpoint has its row
+                try:
+                    problem = self._newest_problem(cur, thread_id, ns, run_id, None)
+                except CorruptRecord as exc:
+                    problem = exc.detail
+                if problem is not None:
+                    problems.append(problem)
             cur.execute(f"SELECT {_CK_COLS} FROM oo_lg_checkpoints")
             for r in cur.fetchall():
                 n += 1
@@ -151,7 +161,7 @@ class Storage:
         # walk finds its seed without building every ancestor's state.
         record = seal(self._codec.encode(pack({"c": rest, "m": md, "k": sorted(values)}, serde)))
         lg_run = None if md.get("run_id") is None else str(md["run_id"])
-        step = f"{md.get('source', '')}:{md.get('step', '')}"[:200]
+        step = _core_step(f"{md.get('source', '')}:{md.get('step', '')}", cid)
         with self._lock:
             for attempt in range(_ATTEMPTS):
                 try:
@@ -215,21 +225,90 @@ class Storage:
         conf = _conf(config)
         thread_id = str(conf["thread_id"])
         ns = str(conf.get("checkpoint_ns", ""))
-        sql, params = self._row_query(thread_id, ns, get_checkpoint_id(config))
+        cid = get_checkpoint_id(config)
+        sql, params = self._row_query(thread_id, ns, cid)
 
         def read(cur: Any) -> CheckpointTuple | None:
             cur.execute(sql, params)
             found = cur.fetchone()
-            if found is None:
+            row = None if found is None else _Row.of(found)
+            if row is not None:
+                self._verify(row)
+            if not cid:
+                # The latest: the one a graph resumes from. Its row must be the newest
+                # the namespace's store run holds values for (a deleted or moved newest
+                # row would send the graph back to run its steps again).
+                self._check_newest(cur, thread_id, ns, row)
+            if row is None:
                 return None
-            row = _Row.of(found)
             # The channel values are loaded in this read too: the row, its writes and
             # the values it names are of one moment (a prune or delete committed in
             # between would otherwise read as values missing).
-            return self._tuple(row, self._select_writes(cur, [row]))
+            return self._tuple(row, self._select_writes(cur, [row]), verified=True)
 
         with self._lock:
             return self.store.read(read)
+
+    def _check_newest(self, cur: Any, thread_id: str, ns: str, row: _Row | None) -> None:
+        """Refuse to read a namespace whose newest row (``row``; None: it has none) is
+        not its store run's newest checkpoint, when that checkpoint was written with a
+        row (see :func:`_core_step`) that is no longer there.
+
+        Raises:
+            CorruptRecord: That row is gone (deleted, or moved to another thread).
+        """
+        if row is not None:
+            run_id: str | None = row.run_id
+        else:
+            cur.execute(
+                f"SELECT thread_id, checkpoint_ns, run_id, seal FROM oo_lg_threads WHERE "
+                f"thread_id = {self._q} AND checkpoint_ns = {self._q}",
+                (thread_id, ns),
+            )
+            mapped = cur.fetchone()
+            run_id = None if mapped is None else self._mapped_run(mapped)
+        if run_id is None:
+            return  # a new thread
+        problem = self._newest_problem(cur, thread_id, ns, run_id, row)
+        if problem is not None:
+            raise CorruptRecord(problem, run_id=run_id)
+
+    def _newest_problem(
+        self, cur: Any, thread_id: str, ns: str, run_id: str, row: _Row | None
+    ) -> str | None:
+        """What is wrong when store run ``run_id`` of a namespace holds a checkpoint
+        newer than the namespace's newest row ``row`` whose own row is gone; None when
+        nothing is (a run or a head that is missing is the store's to report)."""
+        found = self.store.run_head_in(cur, run_id)
+        if found is None or found[0].head_seq is None:
+            return None
+        head = int(found[0].head_seq)
+        if row is not None and row.seq == head:
+            return None
+        q = self._q
+        cur.execute(
+            f"SELECT 1 FROM oo_lg_checkpoints WHERE thread_id = {q} AND checkpoint_ns = {q} "
+            f"AND run_id = {q} AND seq = {q}",
+            (thread_id, ns, run_id, head),
+        )
+        if cur.fetchone() is not None:
+            return None  # an older checkpoint id put again (its row moved to the head)
+        info = self.store.checkpoint_info_in(cur, run_id, head)
+        if info is None:
+            return None
+        _, marked, cid = info.step.rpartition("@")
+        if not marked:
+            return None  # an earlier version's values whose row a crash left out
+        return (
+            f"the newest checkpoint of LangGraph thread {thread_id!r} (namespace {ns!r}), "
+            f"{cid!r}, has lost its record: its channel values are stored (checkpoint "
+            f"{head} of store run {run_id!r}, written in one transaction with the record) "
+            f"but its row in oo_lg_checkpoints is gone (deleted, or moved to another "
+            f"thread). Nothing was read: the thread would go back to an older checkpoint "
+            f"and run its steps again. Restore the row from a backup; or, to go on from "
+            f"the newest checkpoint that still has its record, prune the thread "
+            f"(saver.prune([{thread_id!r}]), which drops its history)"
+        )
 
     def list_keys(
         self,
@@ -703,7 +782,8 @@ class Storage:
             placed: list[tuple[_Row, str, int]] = []
             for row, state in zip(rows, states, strict=True):
                 run_id = self._run_for(dst, row.checkpoint_ns)
-                info = self.store.save(run_id, state, step="copy", durability=_TOGETHER)
+                step = _core_step("copy", row.checkpoint_id)
+                info = self.store.save(run_id, state, step=step, durability=_TOGETHER)
                 placed.append((row, run_id, info.seq))
             sql = self._insert_writes_sql(replace=False)
 
@@ -1094,7 +1174,8 @@ class Storage:
                 handoff=Handoff(goal=f"LangGraph thread {thread_id!r}, namespace {ns!r}"),
             )
             for row, state in zip(keep_rows, states, strict=True):
-                info = self.store.save(new_run, state, step="rewrite", durability=_TOGETHER)
+                step = _core_step("rewrite", row.checkpoint_id)
+                info = self.store.save(new_run, state, step=step, durability=_TOGETHER)
                 placed.append((row, info.seq))
         dropped = [r.checkpoint_id for r in rows if r.checkpoint_id not in keep_ids]
 
