@@ -818,3 +818,25 @@ def test_an_older_checkpoint_put_again_is_not_a_lost_record(db_url: str) -> None
         assert tup is not None
         assert tup.config["configurable"]["checkpoint_id"] == _cid(2)
         assert saver.verify()[1] == []
+
+
+def test_a_lost_record_cannot_be_passed_off_as_an_earlier_versions(
+    db_url: str, engine: Engine
+) -> None:
+    """The label that tells a lost record from an earlier version's crash residue is
+    sealed with the values: editing it away (with the newest row deleted) is refused."""
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as saver:
+        for i in (1, 2):
+            _put(saver, i=i)
+    _edit_newest(engine, "delete", 2)
+    ((run_id,),) = fetch(engine, "SELECT run_id FROM oo_lg_threads WHERE thread_id = :t", t=THREAD)
+    assert execute(
+        engine,
+        "UPDATE oo_checkpoints SET step = 'loop:2' WHERE run_id = :r AND seq = "
+        "(SELECT MAX(seq) FROM oo_checkpoints WHERE run_id = :r)",
+        r=run_id,
+    )
+    with OnceOnlySaver.from_url(db_url, keyring=keyring()) as fresh:
+        with pytest.raises(CorruptRecord, match="seal"):
+            fresh.get_tuple(_config())
+        assert fresh.verify()[1] != []
