@@ -474,11 +474,19 @@ def _retention_ignores_live_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run_row_and_checkpoint_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    def load_run(self: Store, run_id: str, *, lazy: bool = False, migrations: Any = None) -> Any:
+    def load_run(
+        self: Store,
+        run_id: str,
+        *,
+        lazy: bool = False,
+        migrations: Any = None,
+        report_lost: bool = True,
+    ) -> Any:
         run = self.get_run(run_id)  # the run row from the database...
         if run.head_seq is None:
             return run, None
-        return run, self.load(run_id, lazy=lazy, migrations=migrations)  # ...the head apart
+        # ...the head apart
+        return run, self.load(run_id, lazy=lazy, migrations=migrations, report_lost=report_lost)
 
     monkeypatch.setattr(Store, "load_run", load_run)
 
