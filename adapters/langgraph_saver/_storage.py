@@ -257,16 +257,7 @@ class Storage:
         Raises:
             CorruptRecord: That row is gone (deleted, or moved to another thread).
         """
-        if row is not None:
-            run_id: str | None = row.run_id
-        else:
-            cur.execute(
-                f"SELECT thread_id, checkpoint_ns, run_id, seal FROM oo_lg_threads WHERE "
-                f"thread_id = {self._q} AND checkpoint_ns = {self._q}",
-                (thread_id, ns),
-            )
-            mapped = cur.fetchone()
-            run_id = None if mapped is None else self._mapped_run(mapped)
+        run_id = row.run_id if row is not None else self._mapped_run_at(cur, thread_id, ns)
         if run_id is None:
             return  # a new thread
         problem = self._newest_problem(cur, thread_id, ns, run_id, row)
@@ -823,17 +814,7 @@ class Storage:
             self._runs.move_to_end(key)
             return run_id
         q = self._q
-        select = (
-            f"SELECT thread_id, checkpoint_ns, run_id, seal FROM oo_lg_threads WHERE "
-            f"thread_id = {q} AND checkpoint_ns = {q}"
-        )
-
-        def lookup(cur: Any) -> str | None:
-            cur.execute(select, key)
-            found = cur.fetchone()
-            return None if found is None else self._mapped_run(found)
-
-        run_id = self.store.read(lookup)
+        run_id = self.store.read(lambda cur: self._mapped_run_at(cur, thread_id, ns))
         if run_id is None:
             fresh = uuid.uuid4().hex
             self.store.create_run(
@@ -848,8 +829,8 @@ class Storage:
                     f"seal) VALUES ({q}, {q}, {q}, {q}, {q}) ON CONFLICT DO NOTHING",
                     (thread_id, ns, fresh, time.time(), self._thread_seal(thread_id, ns, fresh)),
                 )
-                cur.execute(select, key)
-                winner = self._mapped_run(cur.fetchone())
+                winner = self._mapped_run_at(cur, thread_id, ns)
+                assert winner is not None  # inserted, or another saver's stands
                 if winner != fresh:  # another saver created the namespace first
                     _schema.drop_store_runs(cur, self.store.dialect, q, [fresh])
                 return winner
@@ -859,6 +840,18 @@ class Storage:
         while len(self._runs) > _RUN_CACHE:
             self._runs.popitem(last=False)
         return run_id
+
+    def _mapped_run_at(self, cur: Any, thread_id: str, ns: str) -> str | None:
+        """The store run a namespace's thread row names (its seal checked), read with
+        ``cur``; None when the namespace has none."""
+        q = self._q
+        cur.execute(
+            f"SELECT thread_id, checkpoint_ns, run_id, seal FROM oo_lg_threads WHERE "
+            f"thread_id = {q} AND checkpoint_ns = {q}",
+            (thread_id, ns),
+        )
+        found = cur.fetchone()
+        return None if found is None else self._mapped_run(found)
 
     def _thread_seal(self, thread_id: str, ns: str, run_id: str) -> bytes | None:
         return _schema.make_seal(
