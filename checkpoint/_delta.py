@@ -22,7 +22,9 @@ import operator
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any, overload
 
 import blake3
@@ -401,7 +403,24 @@ _ABSENT = object()
 
 def diff(old: Mapping[str, Any], new: Mapping[str, Any], codec: Codec) -> dict[str, Op]:
     """The ops that turn ``old`` into ``new``."""
+    return diff_known(old, new, codec, frozenset())[0]
+
+
+def diff_known(
+    old: Mapping[str, Any], new: Mapping[str, Any], codec: Codec, paged: AbstractSet[str]
+) -> tuple[dict[str, Op], frozenset[str]]:
+    """The ops that turn ``old`` into ``new``, knowing that ``old``'s dict channels named
+    in ``paged`` are pageable; and the dict channels of ``new`` found pageable (for the
+    next call, once ``new`` is the old state).
+
+    A dict channel of ``paged`` that comes back with the very key objects of ``old``'s,
+    in the same order (the caller's dict keeps its keys between steps, as a reducer's
+    ``{**old, **update}`` does), is pageable as ``old``'s was: its keys are neither
+    type-checked nor ordered again, and only the values that are not the very objects
+    stored before are compared (both passes in C).
+    """
     ops: dict[str, Op] = {}
+    found: set[str] = set()
     for ch, v in new.items():
         check_channel(ch)
         if ch not in old:
@@ -410,9 +429,25 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any], codec: Codec) -> dict[s
         o = old[ch]
         if o is v:
             # The caller handed back our own object; state is always compared by value.
+            if ch in paged:
+                found.add(ch)
             continue
         to, tv = type(o), type(v)
-        if to is dict and tv is dict and _pageable(v):
+        if to is dict and tv is dict and ch in paged and _same_keys(o, v):
+            found.add(ch)
+            changed = {
+                k: v[k]
+                for k in compress(v, map(operator.is_not, o.values(), v.values()))
+                if not same(o[k], v[k], codec)
+            }
+            if not changed:
+                continue
+            if len(changed) > len(v) // 2 + 1:
+                ops[ch] = ("s", v)
+            else:
+                ops[ch] = ("m", changed, [])
+        elif to is dict and tv is dict and _pageable(v):
+            found.add(ch)
             # An unchanged value is most often the very object stored before (the
             # caller's dict keeps its values between steps): no call for it.
             changed = {
@@ -443,7 +478,12 @@ def diff(old: Mapping[str, Any], new: Mapping[str, Any], codec: Codec) -> dict[s
     for ch in old:
         if ch not in new:
             ops[ch] = ("x",)
-    return ops
+    return ops, frozenset(found)
+
+
+def _same_keys(o: dict[str, Any], v: dict[str, Any]) -> bool:
+    """Whether ``v``'s keys are ``o``'s very key objects, in ``o``'s order."""
+    return len(o) == len(v) and all(map(operator.is_, o, v))
 
 
 def apply(state: dict[str, Any], ops: Mapping[str, Any], *, where: str) -> None:

@@ -34,6 +34,8 @@ class _Head:
     lists: dict[str, _delta.ListChunks] = field(default_factory=dict)
     info: CheckpointInfo | None = None
     run: Run | None = None
+    # Dict channels of ``state`` known to be pageable (see ``_delta.diff_known``).
+    paged: frozenset[str] = frozenset()
 
 
 @dataclass

@@ -44,6 +44,9 @@ class _Change:
     schema_version: int | None = None
     handoff: Handoff | None = None
     durability: Durability | None = None
+    # The dict channels of the new state found pageable (None: those of the parent's
+    # that the change leaves alone).
+    paged: frozenset[str] | None = None
 
 
 class _Writes(_Reads):
@@ -190,8 +193,11 @@ class _Writes(_Reads):
         mode = self._mode(durability)
         with self._lock:
             head = self._parent_head(run_id, parent)
-            ops = _delta.diff(head.state if head else {}, state, self.codec)
-            change = _Change(step, next_step, status, source, schema_version, handoff, mode)
+            if head is None:
+                ops, paged = _delta.diff_known({}, state, self.codec, frozenset())
+            else:
+                ops, paged = _delta.diff_known(head.state, state, self.codec, head.paged)
+            change = _Change(step, next_step, status, source, schema_version, handoff, mode, paged)
             return self._commit_ops(run_id, head, ops, change)
 
     def update(
@@ -356,6 +362,7 @@ class _Writes(_Reads):
                 if op[0] != "a":  # the sealed chunks remembered for it no longer apply
                     new_head.lists.pop(ch, None)
             _delta.apply(new_head.state, _copy_ops(ops), where="save")
+            new_head.paged = new_head.paged - ops.keys() if change.paged is None else change.paged
             if keyframe:
                 enc = _delta.encode_keyframe(self.codec, new_head.state, new_head.lists)
                 kind, kf_seq = _KEYFRAME, seq
