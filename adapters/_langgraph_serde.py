@@ -24,9 +24,11 @@ types of a graph's state schema itself when it compiles (``with_msgpack_allowlis
 from __future__ import annotations
 
 import importlib
+import os
+import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import ormsgpack
@@ -63,6 +65,7 @@ _OPT = ormsgpack.OPT_NON_STR_KEYS
 _CHECKED = 8192  # encodings a serializer remembers as checked
 _CHECKED_MAX_BYTES = 16384  # larger ones are checked every time
 _PLAIN_FORMATS = ("null", "bytes", "bytearray")
+_ARRAY32 = struct.Struct(">BI")  # a msgpack array32 header
 
 
 class UnregisteredType(CorruptRecord):
@@ -141,7 +144,7 @@ class StrictSerializer(JsonPlusSerializer):
         # Encodings this serializer already checked (pass 1 accepted them): the allow-list
         # never changes, so the same bytes pass again. A history listing decodes each
         # message once per checkpoint that holds it.
-        self._checked: OrderedDict[bytes, None] = OrderedDict()
+        self._checked: OrderedDict[bytes, bool] = OrderedDict()
         self._checked_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -208,19 +211,58 @@ class StrictSerializer(JsonPlusSerializer):
         self._check(raw)
         return _Build(self._resolved).run(raw)
 
-    def _check(self, raw: bytes) -> None:
-        """Pass 1 (:class:`_Check`), unless these exact bytes passed it before."""
+    def loads_many(self, datas: Sequence[bytes]) -> list[Any]:
+        """:meth:`loads_typed` of each ``("msgpack", data)``, in one decoding pass: a list
+        of messages (a state's history, built once per checkpoint a listing reads) pays
+        one decoder call instead of one per item.
+
+        Each item passes pass 1 on its own first, which also finds whether it holds
+        exactly one value: bytes after a value (which :meth:`loads_typed` ignores, and
+        pass 1 never looked at) would be read inside an array as the next item, built
+        unchecked. Only exact items are decoded as one array, which must end exactly at
+        a random marker after them; otherwise, or if anything failed, the items are
+        decoded one by one, as :meth:`loads_typed` does: the values, and any error, are
+        that method's.
+
+        Raises:
+            UnregisteredType / CorruptRecord: As :meth:`loads_typed`.
+        """
+        exact = [self._check(raw) for raw in datas]
+        if not all(exact):
+            return [self.loads_typed(("msgpack", raw)) for raw in datas]
+        marker = os.urandom(8)
+        n = len(datas) + 1
+        blob = b"".join([_ARRAY32.pack(0xDD, n), *datas, b"\xc4\x08", marker])
+        try:
+            built = _Build(self._resolved).run(blob)
+        except Exception:  # noqa: BLE001  (decoded again one by one: their own error)
+            built = None
+        if type(built) is not list or len(built) != n or built[-1] != marker:
+            return [self.loads_typed(("msgpack", raw)) for raw in datas]
+        del built[-1]
+        return built
+
+    def _check(self, raw: bytes) -> bool:
+        """Pass 1 (:class:`_Check`), unless these exact bytes passed it before; whether
+        they hold one value and nothing after it (what :meth:`loads_many` needs to read
+        them inside an array).
+
+        Raises:
+            UnregisteredType / CorruptRecord: As :meth:`loads_typed`.
+        """
         key = bytes(raw)
         with self._checked_lock:
-            if key in self._checked:
+            exact = self._checked.get(key)
+            if exact is not None:
                 self._checked.move_to_end(key)
-                return
-        _Check(self.allowed).run(key)
+                return exact
+        exact = _Check(self.allowed).run_exact(key)
         if len(key) <= _CHECKED_MAX_BYTES:
             with self._checked_lock:
-                self._checked[key] = None
+                self._checked[key] = exact
                 while len(self._checked) > _CHECKED:
                     self._checked.popitem(last=False)
+        return exact
 
 
 class _Pass:
@@ -285,6 +327,23 @@ class _Check(_Pass):
         if self.refused:
             raise UnregisteredType(", ".join(self.refused))
         return None
+
+    def run_exact(self, data: bytes) -> bool:
+        """:meth:`run`, and whether ``data`` holds one value with nothing after it: read
+        as the first of a two-item array whose second is a random marker (a
+        :class:`_Check` serves one call)."""
+        marker = os.urandom(8)
+        try:
+            out = self.unpack(b"".join([_ARRAY32.pack(0xDD, 2), data, b"\xc4\x08", marker]))
+        except CorruptRecord:
+            out = None
+        if type(out) is list and len(out) == 2 and out[1] == marker:
+            if self.refused:
+                raise UnregisteredType(", ".join(self.refused))
+            return True
+        # More (or less) than one value: checked as loads_typed reads it, alone.
+        _Check(self.allowed).run(data)
+        return False
 
     def ext(self, code: int, data: bytes) -> Any:
         inner = self.unpack(data)

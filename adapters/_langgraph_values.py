@@ -392,6 +392,18 @@ def unpack(v: Any, serde: Serde) -> Any:
     if t is str or t is int or t is float or t is bool or v is None or t is bytes:
         return v
     if t is list:
+        many = getattr(serde, "loads_many", None)
+        if many is not None and len(v) > 1:
+            # A list of messages: the serde's one decoding pass for all of them.
+            datas = [x.data for x in v if type(x) is SerdeValue and x.type == "msgpack"]
+            if len(datas) > 1:
+                built = iter(many(datas))
+                return [
+                    next(built)
+                    if type(x) is SerdeValue and x.type == "msgpack"
+                    else (x if type(x) is str else unpack(x, serde))
+                    for x in v
+                ]
         return [x if type(x) is str else unpack(x, serde) for x in v]
     if t is dict:
         return {k: (x if type(x) is str else unpack(x, serde)) for k, x in v.items()}

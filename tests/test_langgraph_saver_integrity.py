@@ -432,6 +432,91 @@ def test_an_unregistered_type_is_refused_before_any_constructor_runs() -> None:
             both.loads_typed((fmt, b"{}"))
 
 
+def test_a_list_of_stored_values_is_built_as_one_by_one() -> None:
+    """``loads_many`` (a list of messages in one decoding pass) gives what
+    ``loads_typed`` gives item by item: equal values of the same types, new objects each
+    time; and an item that carries bytes after its value, or one that fails, makes it
+    decode one by one, with that path's value or error."""
+    serde = StrictSerializer()
+    values: list[Any] = [
+        HumanMessage("hi", id="h"),
+        AIMessage("ok", id="a", tool_calls=[{"name": "f", "args": {"x": 1}, "id": "c1"}]),
+        Send("node", {"k": 1}),
+        uuid.UUID(int=7),
+        {1, 2},
+        [HumanMessage("nested", id="n")],
+    ]
+    datas = [serde.dumps_typed(v)[1] for v in values]
+    assert all(serde.dumps_typed(v)[0] == "msgpack" for v in values)
+    one_by_one = [serde.loads_typed(("msgpack", d)) for d in datas]
+    many = serde.loads_many(datas)
+    assert many == one_by_one == values
+    assert [type(x) for x in many] == [type(x) for x in values]
+    assert serde.loads_many(datas)[0] is not many[0]
+    assert serde.loads_many([]) == []
+    # A value with bytes after it (one_by_one reads the value and ignores them): in one
+    # array they would become the next item; the marker says so and each is read alone.
+    trailing = [datas[0] + ormsgpack.packb("stray"), datas[1], datas[2]]
+    assert serde.loads_many(trailing) == [serde.loads_typed(("msgpack", d)) for d in trailing]
+    assert serde.loads_many(trailing)[1] == values[1]
+    # Bytes after a value that name a type not allowed: pass 1 never looked at them and
+    # loads_typed never reads them; in one array they would be built. They are not.
+    permissive = JsonPlusSerializer(allowed_msgpack_modules=True)
+    refused = permissive.dumps_typed(Basket([Order("a", 1)]))[1]
+    smuggled = [datas[0] + refused, datas[1]]
+    BUILT.clear()
+    assert serde.loads_many(smuggled) == [values[0], values[1]]
+    assert BUILT == []
+    # A failing item raises what loads_typed raises for it.
+    with pytest.raises(UnregisteredType, match="Order"):
+        serde.loads_many([datas[0], refused])
+    assert BUILT == []
+    with pytest.raises(CorruptRecord):
+        serde.loads_many([datas[0], b"\xc1"])  # never valid msgpack
+
+
+def test_a_list_of_messages_is_read_in_one_pass_and_as_stored() -> None:
+    """The list of a state's messages is built by the serializer's one pass (a history
+    listing builds it once per checkpoint); its items keep their places among values
+    stored as themselves and values in another of the serde's formats, and a serializer
+    without the pass builds them one by one."""
+    from onceonly.adapters._langgraph_values import pack, unpack
+
+    serde = StrictSerializer()
+    calls: list[int] = []
+    real = serde.loads_many
+
+    def counted(datas: Any) -> list[Any]:
+        calls.append(len(datas))
+        return real(datas)
+
+    serde.loads_many = counted  # type: ignore[method-assign]
+    state = ["plain", HumanMessage("a", id="1"), 3, AIMessage("b", id="2"), None, {7}]
+    packed = [*pack(state, serde), SerdeValue("bytes", b"raw")]
+    state.append(b"raw")
+    assert [type(x).__name__ for x in packed] == [
+        "str",
+        "SerdeValue",
+        "int",
+        "SerdeValue",
+        "NoneType",
+        "SerdeValue",
+        "SerdeValue",
+    ]
+    assert unpack(packed, serde) == state
+    assert calls == [3]  # the messages and the set; not the value in the bytes format
+
+    class OneByOne:
+        def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
+            return serde.dumps_typed(obj)
+
+        def loads_typed(self, data: tuple[str, bytes]) -> Any:
+            return serde.loads_typed(data)
+
+    assert unpack(packed, OneByOne()) == state
+    assert calls == [3]
+
+
 def test_writing_an_unregistered_type_fails_at_once(db_url: str) -> None:
     invoice = Invoice(number=7, status=Status.OPEN)
     # Every type to register is named at once.
