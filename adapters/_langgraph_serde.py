@@ -227,20 +227,18 @@ class StrictSerializer(JsonPlusSerializer):
         Raises:
             UnregisteredType / CorruptRecord: As :meth:`loads_typed`.
         """
-        exact = [self._check(raw) for raw in datas]
-        if not all(exact):
-            return [self.loads_typed(("msgpack", raw)) for raw in datas]
-        marker = os.urandom(8)
-        n = len(datas) + 1
-        blob = b"".join([_ARRAY32.pack(0xDD, n), *datas, b"\xc4\x08", marker])
-        try:
-            built = _Build(self._resolved).run(blob)
-        except Exception:  # noqa: BLE001  (decoded again one by one: their own error)
-            built = None
-        if type(built) is not list or len(built) != n or built[-1] != marker:
-            return [self.loads_typed(("msgpack", raw)) for raw in datas]
-        del built[-1]
-        return built
+        if all(self._check(raw) for raw in datas):
+            marker = os.urandom(8)
+            n = len(datas) + 1
+            blob = b"".join([_ARRAY32.pack(0xDD, n), *datas, b"\xc4\x08", marker])
+            try:
+                built = _Build(self._resolved).run(blob)
+            except Exception:  # noqa: BLE001  (decoded again one by one: their own error)
+                built = None
+            if type(built) is list and len(built) == n and built[-1] == marker:
+                del built[-1]
+                return built
+        return [self.loads_typed(("msgpack", raw)) for raw in datas]
 
     def _check(self, raw: bytes) -> bool:
         """Pass 1 (:class:`_Check`), unless these exact bytes passed it before; whether

@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import compress
@@ -440,12 +440,8 @@ def diff_known(
                 for k in compress(v, map(operator.is_not, o.values(), v.values()))
                 if not same(o[k], v[k], codec)
             }
-            if not changed:
-                continue
-            if len(changed) > len(v) // 2 + 1:
-                ops[ch] = ("s", v)
-            else:
-                ops[ch] = ("m", changed, [])
+            if changed:
+                ops[ch] = _dict_op(v, changed, ())
         elif to is dict and tv is dict and _pageable(v):
             found.add(ch)
             # An unchanged value is most often the very object stored before (the
@@ -463,12 +459,8 @@ def diff_known(
             if deleted and not _pageable(dict.fromkeys(deleted)):
                 ops[ch] = ("s", v)  # the old dict was not pageable: not a merge
                 continue
-            if not changed and not deleted:
-                continue
-            if len(changed) + len(deleted) > len(v) // 2 + 1:
-                ops[ch] = ("s", v)
-            else:
-                ops[ch] = ("m", changed, sorted(deleted))
+            if changed or deleted:
+                ops[ch] = _dict_op(v, changed, deleted)
         elif to in (list, ChunkedList) and tv in (list, ChunkedList):
             op = _list_diff(o, v, codec)
             if op is not None:
@@ -479,6 +471,15 @@ def diff_known(
         if ch not in new:
             ops[ch] = ("x",)
     return ops, frozenset(found)
+
+
+def _dict_op(v: dict[str, Any], changed: dict[str, Any], deleted: Iterable[str]) -> Op:
+    """A pageable dict channel's op: a merge of its changes, or the whole dict once they
+    are more than about half of it."""
+    gone = sorted(deleted)
+    if len(changed) + len(gone) > len(v) // 2 + 1:
+        return ("s", v)
+    return ("m", changed, gone)
 
 
 def _same_keys(o: dict[str, Any], v: dict[str, Any]) -> bool:

@@ -193,10 +193,8 @@ class _Writes(_Reads):
         mode = self._mode(durability)
         with self._lock:
             head = self._parent_head(run_id, parent)
-            if head is None:
-                ops, paged = _delta.diff_known({}, state, self.codec, frozenset())
-            else:
-                ops, paged = _delta.diff_known(head.state, state, self.codec, head.paged)
+            old, known = (head.state, head.paged) if head is not None else ({}, frozenset())
+            ops, paged = _delta.diff_known(old, state, self.codec, known)
             change = _Change(step, next_step, status, source, schema_version, handoff, mode, paged)
             return self._commit_ops(run_id, head, ops, change)
 
