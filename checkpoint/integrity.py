@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import hmac
 import struct
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import blake3
 
@@ -50,10 +52,21 @@ UNKEYED_LIMITS = (
 def _encode(parts: Sequence[object]) -> bytes:
     """Length-prefixed, type-tagged: no two part lists encode alike.
 
-    The common exact types are looked up first (every seal of the acting path goes
-    through here); a subclass (a ``StrEnum``, a ``bool``) takes the general branch,
-    which encodes it exactly as before.
+    Every seal of the acting path and every row check of a load goes through here, with
+    few distinct lists of part types (one per kind of row): each such list gets its own
+    encoder, made once (:func:`_encoder_for`), that formats all parts in one operation.
+    A list with another type (a subclass: a ``StrEnum``, a ``bool``) is encoded part by
+    part (:func:`_encode_each`); both give the same bytes.
     """
+    types = tuple(map(type, parts))
+    encoder = _ENCODERS.get(types)
+    if encoder is None:
+        encoder = _encoder_for(types)
+    return encoder(parts)
+
+
+def _encode_each(parts: Sequence[object]) -> bytes:
+    """:func:`_encode`, part by part (any part types)."""
     out: list[bytes] = []
     add = out.append
     for p in parts:
@@ -73,6 +86,58 @@ def _encode(parts: Sequence[object]) -> bytes:
         else:
             add(_encode_other(p))
     return b"".join(out)
+
+
+# One encoder per list of exact part types; a list of other types is encoded part by part.
+_ENCODERS: dict[tuple[type, ...], Callable[[Sequence[object]], bytes]] = {}
+_ENCODERS_MAX = 256  # the kinds of rows sealed; past it, new lists are encoded part by part
+_ENCODERS_LOCK = threading.Lock()
+
+
+def _encoder_for(types: tuple[type, ...]) -> Callable[[Sequence[object]], bytes]:
+    """The encoder of part lists of exactly ``types``: one bytes formatting of every part
+    (built from source, as ``dataclasses`` builds ``__init__``), or :func:`_encode_each`
+    when a type has no fixed form here."""
+    if (
+        not types
+        or len(types) > 64
+        or len(_ENCODERS) >= _ENCODERS_MAX
+        or not all(t in _FORMS for t in types)
+    ):
+        return _encode_each
+    pre: list[str] = []
+    fmt = b""
+    values: list[str] = []
+    for i, t in enumerate(types):
+        form, prep, vals = _FORMS[t]
+        fmt += form
+        if prep:
+            pre.append(prep.format(i=i))
+        values.extend(v.format(i=i) for v in vals)
+    names = ", ".join(f"p{i}" for i in range(len(types)))
+    src = (
+        f"def encode(parts):\n"
+        f"    {names}, = parts\n"
+        + "".join(f"    {line}\n" for line in pre)
+        + f"    return {fmt!r} % ({''.join(v + ', ' for v in values)})\n"
+    )
+    scope: dict[str, Any] = {"_DOUBLE": _DOUBLE}
+    exec(src, scope)  # noqa: S102  (source made above from fixed pieces, no data)
+    encoder = cast(Callable[[Sequence[object]], bytes], scope["encode"])
+    with _ENCODERS_LOCK:
+        if len(_ENCODERS) < _ENCODERS_MAX:
+            _ENCODERS[types] = encoder
+    return encoder
+
+
+# type -> (its format, a line preparing it, the values the format takes); {i}: the index
+_FORMS: dict[type, tuple[bytes, str, tuple[str, ...]]] = {
+    str: (b"s%d:%s", 'e{i} = p{i}.encode("utf-8")', ("len(e{i})", "e{i}")),
+    bytes: (b"b%d:%s", "", ("len(p{i})", "p{i}")),
+    type(None): (b"N", "", ()),
+    float: (b"f%s", "", ("_DOUBLE(p{i})",)),
+    int: (b"i%d:%s", 'e{i} = str(p{i}).encode("ascii")', ("len(e{i})", "e{i}")),
+}
 
 
 _DOUBLE = struct.Struct(">d").pack

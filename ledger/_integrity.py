@@ -618,9 +618,10 @@ class IntegrityMixin(LedgerState):
             self._verified[chain] = (0 if head is None else head[0], time.monotonic())
             for ev in events:
                 last[(chain, str(ev[2]))] = bytes(ev[8])
+        keys = self._keys
         return [
             r
-            for r in rows
-            if last.get((r["chain"], r["key_id"])) == row_digest(r)
-            and (self._keys is None or self._keys.valid("effects", effect_parts(r), r.get("seal")))
+            for r, parts in ((r, effect_parts(r)) for r in rows)
+            if last.get((r["chain"], r["key_id"])) == parts[2]
+            and (keys is None or keys.valid("effects", parts, r.get("seal")))
         ]

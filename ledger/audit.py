@@ -133,7 +133,8 @@ def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
         for row in rows:
             report.effects += 1
             seen.add(row["key_id"])
-            sealed = keys is None or keys.valid("effects", effect_parts(row), row.get("seal"))
+            parts = effect_parts(row)
+            sealed = keys is None or keys.valid("effects", parts, row.get("seal"))
             info = last.get(row["key_id"])
             if info is None:
                 report.problems.append(f"effect {row['key_id']}: row has no audit events (forged)")
@@ -142,7 +143,7 @@ def verify_store(store: Store, *, witness: str | None = None) -> AuditReport:
                 report.problems.append(
                     f"effect {row['key_id']}: row moved from chain {info[0]!r} to {row['chain']!r}"
                 )
-            elif info[1] != row_digest(row):
+            elif info[1] != parts[2]:
                 report.problems.append(
                     f"effect {row['key_id']}: row differs from its last audited state (edited)"
                 )
