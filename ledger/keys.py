@@ -64,6 +64,9 @@ def _encode_parts(parts: Sequence[object]) -> bytes:
     return b"".join(out)
 
 
+_HEADS = 64  # the steps of one moment, not a run's history
+
+
 @dataclass(frozen=True, repr=False)
 class Secret:
     """A key-derivation secret with a stable id (never logged or stored).
@@ -107,6 +110,8 @@ class Keyring:
         self.current_id = secrets[0].id
         self.ids: tuple[str, ...] = tuple(ids)
         self._sub: dict[tuple[str, str], bytes] = {}
+        # key_id: the keyed hash of an identity's parts but the last, by (secret, parts)
+        self._heads: dict[tuple[str, tuple[object, ...], tuple[type, ...]], Any] = {}
         for s in secrets:
             for purpose, ctx in _CONTEXTS.items():
                 self._sub[(s.id, purpose)] = blake3.blake3(s.value, derive_key_context=ctx).digest()
@@ -153,8 +158,32 @@ class Keyring:
             ) from None
 
     def key_id(self, secret_id: str, parts: Sequence[object]) -> str:
-        """The ledger key id (hex) for a length-prefixed identity."""
-        return blake3.blake3(_encode_parts(parts), key=self.subkey(secret_id, "key")).hexdigest()
+        """The ledger key id (hex) for a length-prefixed identity.
+
+        The calls of one step share every part but the last (the ordinal): the hash of
+        those is kept (a few of them) and continued with the last part alone, which
+        gives the same digest as hashing the whole encoding.
+        """
+        head = tuple(parts[:-1])
+        # the types join the key: 1 and True are equal, but only an int is a valid part
+        memo = (secret_id, head, tuple(map(type, head)))
+        try:
+            base = self._heads.get(memo) if head else None
+        except TypeError:  # an unhashable part: refused by the encoding below
+            base = None
+            head = ()
+        if not head:
+            return blake3.blake3(
+                _encode_parts(parts), key=self.subkey(secret_id, "key")
+            ).hexdigest()
+        if base is None:
+            base = blake3.blake3(_encode_parts(head), key=self.subkey(secret_id, "key"))
+            if len(self._heads) >= _HEADS:
+                self._heads.clear()
+            self._heads[memo] = base
+        h = base.copy()
+        h.update(_encode_parts(parts[-1:]))
+        return h.hexdigest()
 
     def provider_key(self, secret_id: str, key_id: str) -> str:
         """The key sent downstream, derived from the ledger key (48 hex chars, ``oo-`` prefix)."""

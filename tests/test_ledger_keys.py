@@ -235,6 +235,38 @@ def test_identity_parts_must_be_text_or_integers() -> None:
     for bad in (1.5, b"bytes", True, ["list"]):
         with pytest.raises(ConfigurationError):
             r.key_id("k1", ("position", "acme", bad))
+        with pytest.raises(ConfigurationError):  # before the last part
+            r.key_id("k1", ("position", bad, "x"))
+    # 1 and True are equal (as keys of a memo too): only the int is a part
+    r.key_id("k1", ("position", 1, "x"))
+    with pytest.raises(ConfigurationError):
+        r.key_id("k1", ("position", True, "x"))
+
+
+def test_a_key_id_is_the_keyed_hash_of_the_whole_encoding_whatever_came_before() -> None:
+    """key_id continues a kept hash of all parts but the last: every key it gives, in any
+    order of identities (shared heads, new heads past the kept few, both secrets), is
+    the keyed blake3 of the identity's whole encoding."""
+    import random
+
+    from onceonly.ledger.keys import _encode_parts
+
+    r = ring()
+    rng = random.Random(5)
+    for _ in range(3000):
+        sid = rng.choice(["k1", "k2"])
+        parts = (
+            "position",
+            "acme",
+            f"run-{rng.randrange(100)}",
+            rng.choice(["a", "b", "é", ""]),
+            rng.randrange(3),
+            "send@1",
+            rng.randrange(-2, 10**6),
+        )[: rng.choice([7, 7, 7, 2, 1])]
+        expect = blake3.blake3(_encode_parts(parts), key=r.subkey(sid, "key")).hexdigest()
+        assert r.key_id(sid, parts) == expect, parts
+        assert r.key_id(sid, list(parts)) == expect, parts
 
 
 # -- canonical arguments -----------------------------------------------------------------------
