@@ -247,6 +247,8 @@ def _start(span: trace.Span, spec: _Spec, ident: EffectIdentity, key_id: str) ->
 
 
 def _finish(span: trace.Span, outcome: str, claim: Claim | None, attempt: int) -> None:
+    if span is trace.INVALID_SPAN:
+        return  # no tracer provider: nothing records it
     span.set_attribute("onceonly.effect.outcome", outcome)
     span.set_attribute("onceonly.effect.attempt", attempt)
     if claim is not None:

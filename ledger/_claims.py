@@ -106,7 +106,11 @@ class ClaimMixin(TransitionMixin, ReplayMixin):
             LedgerUnavailable: The intent could not be recorded; do not act.
         """
         self._check()
-        pclass = ProviderClass(provider_class)
+        pclass = (
+            provider_class
+            if type(provider_class) is ProviderClass
+            else ProviderClass(provider_class)
+        )
         # the database returns a float: audit the row as it will be read back
         window_s = None if window_s is None else float(window_s)
         if pclass is ProviderClass.DEDUPLICATING and (window_s is None or window_s <= 0):
